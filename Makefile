@@ -1,0 +1,51 @@
+# Data Parallelism from Scratch: every command sets itself up.
+#   make book   build the website, every notebook executed  -> _build/html/index.html
+#   make test   lint, build the book strictly (-W: a cell that raises fails it), run every test
+#   make lab    open the notebooks in JupyterLab
+# Uses the active virtual environment if there is one, else creates .venv here.
+
+PYTHON ?= python3
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dpcourse-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup book test unit lint test-notebooks bench lab clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+book: $(STAMP)
+	@rm -rf _build/html/reports
+	$(BIN)/jupyter-book build . --all -W --keep-going || { \
+	  for f in _build/html/reports/*.log; do [ -f "$$f" ] && { echo "=== $$f"; cat "$$f"; }; done; \
+	  echo "The book did not build: see the errors above."; exit 1; }
+	@echo "Open _build/html/index.html in a browser."
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests chapters
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The full check, as CI runs it: the built site is then tested too (tests/test_site.py).
+test: lint book
+	DPCOURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Each notebook as a test of its own, cell by cell (the book build already runs them all).
+test-notebooks: $(STAMP)
+	$(BIN)/python -m pytest --nbval-lax chapters $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m dpcourse.bench launch
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab chapters/
+
+clean:
+	rm -rf _build .pytest_cache

@@ -1,0 +1,19 @@
+"""The benchmark command runs and records what it measured (its numbers are not judged here)."""
+
+from __future__ import annotations
+
+import json
+
+from dpcourse import bench
+
+
+def test_launch_benchmark_writes_json(tmp_path, capsys):
+    out = tmp_path / "launch.json"
+    assert bench.main(["launch", "--world-sizes", "2", "--repeats", "1", "--warm-repeats", "2",
+                       "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "launch" and record["machine"]["cpus"] >= 1
+    (row,) = record["rows"]
+    assert row["world_size"] == 2
+    assert row["cold_over_spawn"] == row["run_ranks_cold_s"] / row["torch_spawn_s"] > 0
+    assert "cold/spawn" in capsys.readouterr().out

@@ -1,0 +1,111 @@
+"""Backend and device choice, machine description, and the process group under torchrun."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dpcourse import runtime
+from dpcourse.launch import run_ranks
+
+
+@pytest.mark.parametrize(
+    "world_size,gpus,expected",
+    [(1, 0, "gloo"), (4, 0, "gloo"), (4, 1, "gloo"), (4, 3, "gloo"), (2, 2, "nccl"), (1, 8, "nccl")],
+)
+def test_choose_backend_needs_a_gpu_per_rank_for_nccl(world_size, gpus, expected, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    assert runtime.choose_backend(world_size, gpus) == expected
+
+
+def test_choose_backend_rejects_bad_world_size():
+    with pytest.raises(ValueError, match="world_size"):
+        runtime.choose_backend(0, 0)
+
+
+@pytest.mark.parametrize(
+    "local_rank,local_world,backend,gpus,expected",
+    [
+        (0, 2, "gloo", 0, "cpu"),
+        (3, 4, "gloo", 0, "cpu"),
+        (3, 4, "gloo", 1, "cuda:0"),  # ranks share the one GPU
+        (3, 4, "gloo", 2, "cuda:1"),  # round-robin over the GPUs
+        (3, 4, "nccl", 4, "cuda:3"),
+    ],
+)
+def test_device_for_rank(local_rank, local_world, backend, gpus, expected):
+    assert str(runtime.device_for_rank(local_rank, local_world, backend, gpus)) == expected
+
+
+def test_nccl_with_too_few_gpus_says_what_to_do():
+    with pytest.raises(RuntimeError, match="backend='gloo'"):
+        runtime.device_for_rank(0, 4, "nccl", gpus=2)
+
+
+def test_describe_machine_matches_torch():
+    m = runtime.describe_machine()
+    assert m.cpus == os.cpu_count()
+    assert len(m.gpus) == runtime.gpu_count() == len(m.gpu_memory_gib)
+    assert m.torch_version == torch.__version__
+    assert m.backends["gloo"]
+    text = m.summary()
+    assert f"CPU cores:    {m.cpus}" in text and f"GPUs:         {len(m.gpus)}" in text
+
+
+def test_current_outside_a_process_group_is_one_rank():
+    info = runtime.current()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert info.device == runtime.device_for_rank(0, 1, runtime.choose_backend(1))
+    assert runtime.is_rank_zero()
+
+
+def test_init_without_environment_says_how_to_launch(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        runtime.init_process_group()
+
+
+def test_print0_prints_on_rank_zero_only(capfd):
+    def hello():
+        runtime.print0("only once")
+        return runtime.is_rank_zero()
+
+    assert run_ranks(hello, 3) == [True, False, False]
+    out = capfd.readouterr().out
+    assert out.count("only once") == 1 and "[rank 0] only once" in out
+
+
+def test_under_torchrun(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from dpcourse import runtime
+
+        info = runtime.init_process_group()
+        t = torch.tensor([float(info.rank + 1)], device=info.device)
+        dist.all_reduce(t)
+        print(f"rank={info.rank} world={info.world_size} local={info.local_rank} "
+              f"backend={info.backend} total={t.item():.0f}", flush=True)
+        assert runtime.current() == info
+        runtime.teardown()
+        runtime.teardown()  # safe twice
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    backend = runtime.choose_backend(2)
+    for r in range(2):
+        assert f"rank={r} world=2 local={r} backend={backend} total=3" in proc.stdout
