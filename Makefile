@@ -23,8 +23,8 @@ setup: $(STAMP)
 book: $(STAMP)
 	@rm -rf _build/html/reports
 	$(BIN)/jupyter-book build . --all -W --keep-going || { \
-	  for f in _build/html/reports/*.log; do [ -f "$$f" ] && { echo "=== $$f"; cat "$$f"; }; done; \
-	  echo "The book did not build: see the errors above."; exit 1; }
+	  echo "The book did not build: see the WARNINGs above (a failing cell's traceback is"; \
+	  echo "printed there and saved under _build/html/reports/)."; exit 1; }
 	@echo "Open _build/html/index.html in a browser."
 
 lint: $(STAMP)

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 __all__ = [
     "random_regression",
+    "random_images",
     "PAD",
     "BOS",
     "EOS",
@@ -62,6 +63,31 @@ def random_regression(
     x = torch.randn(num_samples, num_features, generator=g)
     y = torch.tanh(2.0 * (x @ w1 + b1)) @ w2
     y = y + 0.05 * torch.randn(num_samples, num_outputs, generator=g)
+    return TensorDataset(x, y)
+
+
+def random_images(
+    num_samples: int = 256,
+    channels: int = 1,
+    size: int = 8,
+    num_classes: int = 10,
+    noise: float = 1.0,
+    seed: int = 0,
+) -> TensorDataset:
+    """Labelled images for :class:`dpcourse.models.ConvNetBN`: ``x`` ``(N, C, size, size)``, ``y``
+    ``(N,)``.
+
+    Each class has a fixed random template image; a sample is its class's template plus Gaussian
+    noise of standard deviation ``noise``, so the classes are learnable but not trivially so.
+    Labels are uniform over ``num_classes`` (int64). Float32 on the CPU, fixed by ``seed``.
+    Used by the BatchNorm examples of chapter 8.
+    """
+    if min(num_samples, channels, size, num_classes) < 1:
+        raise ValueError("num_samples, channels, size and num_classes must all be at least 1")
+    g = torch.Generator().manual_seed(seed)
+    templates = torch.randn(num_classes, channels, size, size, generator=g)
+    y = torch.randint(0, num_classes, (num_samples,), generator=g)
+    x = templates[y] + noise * torch.randn(num_samples, channels, size, size, generator=g)
     return TensorDataset(x, y)
 
 

@@ -75,6 +75,10 @@ class TinyTransformer(nn.Module):
             dropout=dropout,
             batch_first=True,
         )
+        # In eval mode the encoder would pack padded batches into (prototype) nested tensors,
+        # with a warning; the saving is nothing at this size.
+        self.transformer.encoder.enable_nested_tensor = False
+        self.transformer.encoder.use_nested_tensor = False
         self.head = nn.Linear(d_model, vocab_size)
 
     def _embed(self, ids: torch.Tensor, table: nn.Embedding) -> torch.Tensor:
@@ -97,6 +101,7 @@ class TinyTransformer(nn.Module):
             self._embed(tgt_in, self.tgt_embed),
             memory,
             tgt_mask=causal,
+            tgt_is_causal=True,  # saves PyTorch checking the mask, which fails on "meta"
             tgt_key_padding_mask=tgt_in == self.pad_id,
             memory_key_padding_mask=src == self.pad_id,
         )
@@ -110,13 +115,14 @@ class TinyTransformer(nn.Module):
         """Translate ``src`` ``(B, S)`` one token at a time, always taking the likeliest token.
 
         Returns ids ``(B, L)`` that start with BOS; after a sequence's EOS come PAD tokens.
-        ``max_len`` (default ``S + 1``: one word per digit, then EOS) bounds the output length
-        excluding BOS. Runs in eval mode and restores the previous mode afterwards.
+        ``max_len`` bounds the number of tokens after BOS; the default ``S`` allows one word per
+        source token, which for digits-then-EOS sources is every word plus the EOS. Runs in eval
+        mode and restores the previous mode afterwards.
         """
         was_training = self.training
         self.eval()
         try:
-            max_len = src.shape[1] + 1 if max_len is None else max_len
+            max_len = src.shape[1] if max_len is None else max_len
             max_len = min(max_len, self.max_len - 1)
             memory = self.encode(src)
             out = torch.full((src.shape[0], 1), BOS, dtype=torch.long, device=src.device)
