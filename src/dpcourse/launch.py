@@ -54,6 +54,14 @@ from typing import Any
 import cloudpickle
 
 from dpcourse import runtime
+from dpcourse.rank_errors import (
+    RankDiedError,
+    RankError,
+    RankTimeoutError,
+    annotate_stack,
+    learner_stack,
+    signal_name,
+)
 
 __all__ = ["run_ranks", "RankPool", "RankError", "RankDiedError", "RankTimeoutError"]
 
@@ -62,93 +70,6 @@ DEFAULT_START_TIMEOUT = 90.0
 # After the first rank fails, how long the others get to report their own errors before they are
 # killed (ranks waiting in a collective for the failed one usually fail within milliseconds).
 FAILURE_GRACE = 1.0
-
-
-# --------------------------------------------------------------------------------------- errors
-class RankError(RuntimeError):
-    """An exception raised inside a rank, re-raised in the caller.
-
-    ``rank`` is the rank that failed first, ``remote_traceback`` its traceback as text and
-    ``original`` the exception itself where it could be sent back (else ``None``). ``others``
-    holds one-line summaries of the ranks that failed after it (often as a consequence).
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        summary: str,
-        remote_traceback: str = "",
-        original: BaseException | None = None,
-        others: list[str] | None = None,
-    ):
-        self.rank = rank
-        self.world_size = world_size
-        self.summary = summary
-        self.remote_traceback = remote_traceback
-        self.original = original
-        self.others = others or []
-        super().__init__(rank, summary)
-
-    def __str__(self) -> str:
-        text = f"rank {self.rank} of {self.world_size} {self.summary}"
-        if self.remote_traceback:
-            text += f"\n\n{self._traceback_heading()}\n{self.remote_traceback.rstrip()}"
-        if self.others:
-            text += "\n\nThen, probably as a consequence:\n" + "\n".join(
-                f"  {line}" for line in self.others
-            )
-        return text
-
-    def _traceback_heading(self) -> str:
-        return f"Traceback on rank {self.rank}:"
-
-
-class RankDiedError(RankError):
-    """A rank's process ended without a result (crashed, killed, or called ``os._exit``)."""
-
-
-class RankTimeoutError(RankError, TimeoutError):
-    """Some ranks did not finish within the timeout; ``stalled`` lists them, ``stacks`` has the
-    Python stack each one was stuck in (most recent call first)."""
-
-    def __init__(
-        self,
-        stalled: list[int],
-        world_size: int,
-        timeout: float,
-        stacks: dict[int, str],
-        starting: bool = False,
-    ):
-        self.stalled = stalled
-        self.stacks = stacks
-        what = "start" if starting else "finish"
-        summary = (
-            f"did not {what} within the timeout of {timeout:g} s and were killed. A rank waiting "
-            "in a collective or a recv that another rank never joins waits forever: compare the "
-            "stacks below, or raise `timeout=` if the work is just slow."
-        )
-        stack_text = "\n".join(
-            f"--- rank {r} was here (most recent call first):\n{stacks[r].rstrip()}"
-            for r in stalled
-            if stacks.get(r)
-        )
-        super().__init__(stalled[0], world_size, summary, stack_text)
-
-    def __str__(self) -> str:
-        head = f"ranks {self.stalled}" if len(self.stalled) > 1 else f"rank {self.stalled[0]}"
-        text = f"{head} of {self.world_size} {self.summary}"
-        if self.remote_traceback:
-            text += f"\n\n{self.remote_traceback.rstrip()}"
-        return text
-
-
-# ------------------------------------------------------------------------------------- helpers
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(-code).name
-    except ValueError:
-        return f"signal {-code}"
 
 
 def _cell_sources(fn: Callable) -> dict[str, list[str]]:
@@ -165,44 +86,6 @@ def _cell_sources(fn: Callable) -> dict[str, list[str]]:
                 break
             sources[name] = list(entry[2])
     return sources
-
-
-def _annotate_stack(text: str) -> str:
-    """Add source lines (known to this process's linecache) to a faulthandler dump."""
-    out = []
-    for line in text.splitlines():
-        out.append(line)
-        stripped = line.strip()
-        if stripped.startswith('File "') and '", line ' in stripped:
-            try:
-                name, rest = stripped[6:].split('", line ', 1)
-                src = linecache.getline(name, int(rest.split()[0])).strip()
-            except (ValueError, IndexError):
-                src = ""
-            if src:
-                out.append(f"    {src}")
-    return "\n".join(out)
-
-
-def _main_thread_stack(dump: str) -> str:
-    """The learner's part of a faulthandler dump: the worker's parent-watching thread and the
-    frames below the learner's function (the worker's loop, runpy) are dropped."""
-    blocks, current = [], []
-    for line in dump.splitlines():
-        if line.startswith(("Thread 0x", "Current thread 0x")) and current:
-            blocks.append(current)
-            current = []
-        current.append(line)
-    if current:
-        blocks.append(current)
-    kept = []
-    for block in blocks:
-        if any("_watch_parent" in line for line in block):
-            continue
-        lines = block[1:]  # "Current thread 0x... (most recent call first):"
-        cut = next((i for i, line in enumerate(lines) if "dpcourse/_worker.py" in line), len(lines))
-        kept.append("\n".join(lines[:cut]))
-    return "\n".join(kept)
 
 
 @dataclass
@@ -513,7 +396,7 @@ class RankPool:
         if code is None:
             how = "closed its connection to the launcher"
         elif code < 0:
-            how = f"was killed by {_signal_name(code)}"
+            how = f"was killed by {signal_name(code)}"
             if code == -signal.SIGKILL:
                 how += " (the machine may have run out of memory, or someone killed it)"
         else:
@@ -539,7 +422,7 @@ class RankPool:
             if r.rank in stalled:
                 try:
                     with open(r.stack_file) as f:
-                        stacks[r.rank] = _annotate_stack(_main_thread_stack(f.read()))
+                        stacks[r.rank] = annotate_stack(learner_stack(f.read()))
                 except OSError:
                     pass
         return RankTimeoutError(stalled, self.world_size, timeout, stacks, starting)
@@ -568,7 +451,7 @@ class RankPool:
                     + (
                         "still running, killed"
                         if c is None
-                        else _signal_name(c)
+                        else signal_name(c)
                         if c < 0
                         else f"exit code {c}"
                     )
