@@ -17,7 +17,14 @@ from dpcourse.launch import run_ranks
 
 @pytest.mark.parametrize(
     "world_size,gpus,expected",
-    [(1, 0, "gloo"), (4, 0, "gloo"), (4, 1, "gloo"), (4, 3, "gloo"), (2, 2, "nccl"), (1, 8, "nccl")],
+    [
+        (1, 0, "gloo"),
+        (4, 0, "gloo"),
+        (4, 1, "gloo"),
+        (4, 3, "gloo"),
+        (2, 2, "nccl"),
+        (1, 8, "nccl"),
+    ],
 )
 def test_choose_backend_needs_a_gpu_per_rank_for_nccl(world_size, gpus, expected, monkeypatch):
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
@@ -87,7 +94,8 @@ def test_under_torchrun(tmp_path):
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this Python")
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, torch.distributed as dist
         from dpcourse import runtime
 
@@ -99,11 +107,15 @@ def test_under_torchrun(tmp_path):
         assert runtime.current() == info
         runtime.teardown()
         runtime.teardown()  # safe twice
-    """))
+    """)
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node=2", str(script)],
-        capture_output=True, text=True, timeout=180, env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     backend = runtime.choose_backend(2)

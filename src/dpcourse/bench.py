@@ -113,8 +113,11 @@ def _print_launch(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpcourse.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m dpcourse.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="name", required=True)
     p = sub.add_parser("launch", help="start-up cost of run_ranks, cold and pooled, vs mp.spawn")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -124,14 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     machine = runtime.describe_machine()
-    print(f"machine: {machine.cpus} CPU cores, GPUs: {list(machine.gpus) or 'none'}, "
-          f"torch {machine.torch_version}")
+    print(
+        f"machine: {machine.cpus} CPU cores, GPUs: {list(machine.gpus) or 'none'}, "
+        f"torch {machine.torch_version}"
+    )
     result = bench_launch(args.world_sizes, args.repeats, args.warm_repeats)
     _print_launch(result)
     if args.json:
         record = {
             "benchmark": args.name,
-            "command": "python -m dpcourse.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m dpcourse.bench "
+            + " ".join(sys.argv[1:] if argv is None else argv),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": asdict(machine),
             **result,

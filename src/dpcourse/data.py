@@ -71,21 +71,24 @@ def random_images(
     channels: int = 1,
     size: int = 8,
     num_classes: int = 10,
-    noise: float = 1.0,
+    noise: float = 0.5,
     seed: int = 0,
+    template_seed: int = 0,
 ) -> TensorDataset:
     """Labelled images for :class:`dpcourse.models.ConvNetBN`: ``x`` ``(N, C, size, size)``, ``y``
     ``(N,)``.
 
-    Each class has a fixed random template image; a sample is its class's template plus Gaussian
-    noise of standard deviation ``noise``, so the classes are learnable but not trivially so.
-    Labels are uniform over ``num_classes`` (int64). Float32 on the CPU, fixed by ``seed``.
-    Used by the BatchNorm examples of chapter 8.
+    Each class has a random template image fixed by ``template_seed``; a sample is its class's
+    template plus Gaussian noise of standard deviation ``noise``, so the classes are learnable but
+    not trivially so. ``seed`` draws the labels (uniform, int64) and the noise: sets with
+    different ``seed`` and the same ``template_seed`` are a training and a held-out set of one
+    task. Float32 on the CPU. Used by the BatchNorm examples of chapter 8.
     """
     if min(num_samples, channels, size, num_classes) < 1:
         raise ValueError("num_samples, channels, size and num_classes must all be at least 1")
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(template_seed)
     templates = torch.randn(num_classes, channels, size, size, generator=g)
+    g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, num_classes, (num_samples,), generator=g)
     x = templates[y] + noise * torch.randn(num_samples, channels, size, size, generator=g)
     return TensorDataset(x, y)
@@ -154,9 +157,9 @@ class DigitsToWords(Dataset):
     Item ``i`` is ``(src, tgt)``: ``src`` has shape ``(max_len + 1,)`` (digits, EOS, then PAD) and
     ``tgt`` has shape ``(max_len + 2,)`` (BOS, words, EOS, then PAD), both int64 on the CPU. The
     whole set is generated at construction from ``seed``; lengths are uniform in
-    ``[min_len, max_len]``. Strings in ``exclude`` are never drawn, which is how a held-out set
-    is made disjoint from the training set. ``strings`` holds the digit strings.
-    Used in chapter 1 (and as the Transformer example of later chapters).
+    ``[min_len, max_len]`` and strings may repeat. Strings in ``exclude`` are never drawn, which is
+    how a held-out set is made disjoint from the training set. ``strings`` holds the digit
+    strings. Used in chapter 1 (and as the Transformer example of later chapters).
     """
 
     def __init__(
@@ -171,9 +174,9 @@ class DigitsToWords(Dataset):
             raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
         excluded = set(exclude)
         available = sum(10**n for n in range(min_len, max_len + 1)) - len(excluded)
-        if num_samples > available:
-            # Strings may repeat, but an impossible request would loop for ever.
-            raise ValueError(f"only {available} distinct strings exist, asked for {num_samples}")
+        if available < 1 and num_samples > 0:
+            # Strings are drawn with replacement, but with none left to draw we would loop for ever.
+            raise ValueError("every string of the requested lengths is excluded")
         g = torch.Generator().manual_seed(seed)
         self.min_len, self.max_len = min_len, max_len
         self.strings: list[str] = []
