@@ -67,3 +67,32 @@ def test_chapter_1_has_executed_figures():
     figures = re.findall(r'<img[^>]+src="\.\./_images/[^"]+\.png"', html)
     assert len(figures) >= 3, f"chapter 1 shows {len(figures)} figures"
     assert "cell_output" in html
+
+
+STUDENT_HTML = ROOT / "_build" / "student" / "_build" / "html"
+
+
+def test_full_site_folds_solutions_away():
+    html = page("chapters/01_single_device")
+    assert html.count('class="solution dropdown') >= 3
+    assert "tag_hide-input" in html  # solution code cells are collapsed
+
+
+def test_student_site_has_no_solution_text():
+    from dpcourse.exercises.student import solution_lines
+
+    if not (STUDENT_HTML / "index.html").exists():
+        if os.environ.get("DPCOURSE_REQUIRE_SITE"):
+            raise AssertionError("the student site is missing: `make student` did not build it")
+        pytest.skip("the student site is not built: run `make student` first")
+    secrets = solution_lines(ROOT)
+    assert secrets
+    pages = sorted(STUDENT_HTML.joinpath("chapters").glob("*.html"))
+    assert {p.stem for p in pages} >= {"intro", "01_single_device"}
+    for p in pages:
+        text = unescape(p.read_text())
+        leaked = [s for s in secrets if s in text]
+        assert not leaked, f"{p.name} leaks: {leaked[:3]}"
+        assert "solution dropdown" not in text
+    ch1 = text_of((STUDENT_HTML / "chapters" / "01_single_device.html").read_text())
+    assert "not attempted" in ch1  # the checks ran on the unsolved stubs

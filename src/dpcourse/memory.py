@@ -33,6 +33,7 @@ __all__ = [
     "measure_training_memory",
     "saved_activations_by_op",
     "will_it_fit",
+    "max_batch_size",
     "zero_memory_per_rank",
 ]
 
@@ -218,6 +219,26 @@ def estimate_training_memory(
         activations=activation_bytes,
         note=f"estimated ({name}; activations: inputs of layers with weights + output)",
     )
+
+
+def max_batch_size(
+    model: nn.Module,
+    sample: torch.Tensor | Sequence[torch.Tensor],
+    gpu_memory_bytes: int,
+    optimizer: str | torch.optim.Optimizer = "adam",
+) -> int:
+    """The largest batch whose *estimated* training memory fits in ``gpu_memory_bytes``.
+
+    ``sample`` is a batch of one (batch dimension 1). Parameters, gradients and optimizer state
+    do not depend on the batch and the estimated activations grow in proportion to it, so one
+    estimate is enough. Returns 0 when not even a batch of one fits. The reference answer of
+    chapter 1's exercise ``ex-1-max-batch``.
+    """
+    one = estimate_training_memory(model, sample, optimizer)
+    fixed = one.parameters + one.gradients + one.optimizer_state
+    if one.activations <= 0:
+        raise ValueError("the estimate found no activations: is `sample` a batch of inputs?")
+    return max(0, (gpu_memory_bytes - fixed) // one.activations)
 
 
 # ---------------------------------------------------------------------------------- measure

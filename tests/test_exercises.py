@@ -1,0 +1,274 @@
+"""The exercise framework: checks, the student edition, grading."""
+
+from __future__ import annotations
+
+import csv
+import re
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from dpcourse import memory
+from dpcourse.exercises import check, core, grading, registry, run_check
+from dpcourse.exercises.core import Mismatch, call_learner, expect_close
+from dpcourse.exercises.student import (
+    make_student_edition,
+    solution_lines,
+    strip_solution_code,
+    strip_solution_directives,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -------------------------------------------------------------------------------- core helpers
+def test_expect_close_names_what_differs_and_where():
+    want = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    expect_close(want.clone(), want, "g")
+    with pytest.raises(
+        Mismatch, match=r"g: 1 of 4 values differ.*index \(1, 0\).*expected 3.*got 6.*= 2"
+    ):
+        expect_close(torch.tensor([[1.0, 2.0], [6.0, 4.0]]), want, "g")
+    with pytest.raises(Mismatch, match=r"expected shape \(2, 2\), got shape \(4,\)"):
+        expect_close(want.reshape(-1), want, "g")
+    with pytest.raises(Mismatch, match="expected dtype torch.float32, got torch.float64"):
+        expect_close(want.double(), want, "g")
+    with pytest.raises(Mismatch, match="expected a tensor, got list"):
+        expect_close([1, 2], want, "g")
+
+
+def test_call_learner_turns_errors_into_messages_and_protects_inputs():
+    def mutates_and_fails(t):
+        t.zero_()
+        return [][1]
+
+    x = torch.ones(3)
+    with pytest.raises(Mismatch, match=r"raised IndexError.*line \d+.*tensor of shape \(3,\)"):
+        call_learner(mutates_and_fails, x)
+    assert torch.equal(x, torch.ones(3))
+
+
+def test_a_check_that_never_ends_times_out(monkeypatch):
+    ex = registry()["ex-1-max-batch"]
+    monkeypatch.setitem(core._registry, ex.label, core.Exercise(**{**ex.__dict__, "timeout": 1}))
+
+    def forever(*args):
+        while True:
+            pass
+
+    result = run_check(ex.label, forever)
+    assert result.status == "failed" and "timed out" in result.message
+
+
+def test_stub_is_not_attempted_and_check_shows_result(capsys):
+    def stub(*args):
+        raise NotImplementedError("Exercise ex-1-max-batch: write your solution here")
+
+    assert run_check("ex-1-max-batch", stub).status == "not attempted"
+    check.max_batch_size(stub)  # never raises in a learner's notebook
+    assert "not attempted" in capsys.readouterr().out
+
+
+def test_strict_mode_raises_on_a_failed_check(monkeypatch):
+    monkeypatch.setenv(core.STRICT_ENV, "1")
+    with pytest.raises(core.ExerciseFailed, match="ex-1-max-batch"):
+        check.max_batch_size(lambda *a: 0)
+    check.max_batch_size(memory.max_batch_size)  # the reference passes
+
+
+def test_unknown_check_lists_the_real_ones():
+    with pytest.raises(AttributeError, match="max_batch_size"):
+        check.no_such_check  # noqa: B018
+
+
+# ------------------------------------------------------------------------------ chapter 1
+def test_max_batch_size_check_passes_reference_and_fails_wrong_answers():
+    assert run_check("ex-1-max-batch", memory.max_batch_size).passed
+
+    def forgets_fixed_part(model, sample, budget, optimizer="adam"):
+        return budget // memory.estimate_training_memory(model, sample, optimizer).activations
+
+    def off_by_one(model, sample, budget, optimizer="adam"):
+        return memory.max_batch_size(model, sample, budget, optimizer) + 1
+
+    def negative_when_nothing_fits(model, sample, budget, optimizer="adam"):
+        one = memory.estimate_training_memory(model, sample, optimizer)
+        fixed = one.parameters + one.gradients + one.optimizer_state
+        return (budget - fixed) // one.activations
+
+    for wrong, expected in [
+        (forgets_fixed_part, r"expected 0, got \d+ \(an estimate at batch \d+ needs"),
+        (off_by_one, r"expected (\d+), got \d+ \(an estimate at batch"),
+        (negative_when_nothing_fits, r"expected 0, got -1"),
+    ]:
+        result = run_check("ex-1-max-batch", wrong)
+        assert result.status == "failed"
+        assert re.search(expected, result.message), result.message
+        assert "MLP(hidden=" in result.message and "budget of" in result.message
+
+
+def test_batch_growth_check():
+    right = {"parameters": 1, "gradients": 1, "optimizer_state": 1, "activations": 2}
+    assert run_check("ex-1-batch", lambda: right).passed
+    result = run_check("ex-1-batch", lambda: {**right, "optimizer_state": 2})
+    assert not result.passed and "optimizer_state" in result.message and "1.00" in result.message
+    result = run_check("ex-1-batch", lambda: {**right, "activations": 1})
+    assert not result.passed and "activations" in result.message and "2.00" in result.message
+    result = run_check("ex-1-batch", lambda: {"parameters": 1})
+    assert not result.passed and "keys" in result.message
+
+
+def test_every_exercise_label_is_used_in_a_chapter_with_a_check_cell():
+    texts = {p: p.read_text() for p in (ROOT / "chapters").glob("*.ipynb")}
+    for ex in registry().values():
+        holders = [p for p, t in texts.items() if f":label: {ex.label}" in t]
+        assert holders, f"{ex.label} has a check but no exercise in any chapter"
+        assert f"check.{ex.name}({ex.function}" in texts[holders[0]], ex.label
+
+
+# --------------------------------------------------------------------------- student edition
+def test_strip_solution_directives_handles_every_fence():
+    text = textwrap.dedent("""\
+        Keep this.
+
+        ```{solution} ex-1-a
+        :class: dropdown
+        SECRET ONE
+        ```
+
+        ````{solution} ex-1-b
+        ```python
+        SECRET TWO
+        ```
+        ````
+
+        :::{solution} ex-1-c
+        SECRET THREE
+        :::
+        And keep this.
+        """)
+    out = strip_solution_directives(text)
+    assert "SECRET" not in out and "Keep this." in out and "And keep this." in out
+
+
+def test_strip_solution_code_keeps_the_signature():
+    src = "def f(x):\n    '''doc'''\n    # BEGIN SOLUTION\n    return x + 1\n    # END SOLUTION\n"
+    out = strip_solution_code(src, "ex-3-chunk")
+    assert "return x + 1" not in out and out.startswith("def f(x):")
+    assert 'raise NotImplementedError("Exercise ex-3-chunk: write your solution here")' in out
+    with pytest.raises(ValueError, match="without"):
+        strip_solution_code("# BEGIN SOLUTION\nx = 1\n")
+
+
+def test_student_notebooks_contain_no_solution(tmp_path):
+    secrets = solution_lines(ROOT)
+    assert len(secrets) > 10  # the test looks for something
+    notebooks = make_student_edition(ROOT, tmp_path / "student")
+    assert {p.name for p in notebooks} == {p.name for p in (ROOT / "chapters").glob("*.ipynb")}
+    for nb_path in notebooks:
+        text = nb_path.read_text()
+        leaked = [s for s in secrets if s in text]
+        assert not leaked, f"{nb_path.name} leaks: {leaked[:3]}"
+        nb = nbformat.read(nb_path, as_version=4)
+        nbformat.validate(nb)
+        assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+    config = (tmp_path / "student" / "_config.yml").read_text()
+    assert "hide_solutions: true" in config and "(student edition)" in config
+
+
+# ----------------------------------------------------------------------------------- grading
+def chapter1_submission(body: str) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("```{exercise} x\n:label: ex-1-max-batch\n```"),
+        nbformat.v4.new_code_cell(
+            "from dpcourse import memory\nfrom dpcourse.exercises import check"
+        ),
+        *[nbformat.v4.new_code_cell(textwrap.dedent(c)) for c in body.split("# ---\n")],
+    ]
+    return nb
+
+
+RIGHT = """
+def growth_when_batch_doubles():
+    return {"parameters": 1, "gradients": 1, "optimizer_state": 1, "activations": 2}
+# ---
+def my_max_batch_size(model, sample, gpu_memory_bytes, optimizer="adam"):
+    return memory.max_batch_size(model, sample, gpu_memory_bytes, optimizer)
+"""
+WRONG = """
+def growth_when_batch_doubles():
+    return {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 2}
+# ---
+def my_max_batch_size(model, sample, gpu_memory_bytes, optimizer="adam"):
+    return 1 + memory.max_batch_size(model, sample, gpu_memory_bytes, optimizer)
+# ---
+# the learner's own check cell is tampered with: the grader runs its own checks
+check.max_batch_size = lambda fn: print("PASSED!!!")
+"""
+CRASHES = """
+def growth_when_batch_doubles():
+    return {"parameters": 1, "gradients": 1, "optimizer_state": 1, "activations": 2}
+# ---
+import os
+os._exit(1)  # the kernel dies
+"""
+LOOPS_AND_DELETES = """
+import glob, os
+for f in glob.glob(os.environ["SUBMISSIONS"] + "/*.ipynb"):
+    os.remove(f)
+# ---
+def my_max_batch_size(model, sample, gpu_memory_bytes, optimizer="adam"):
+    return memory.max_batch_size(model, sample, gpu_memory_bytes, optimizer)
+# ---
+while True:
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_grading_a_folder(tmp_path, monkeypatch):
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    for name, body in [
+        ("a_right", RIGHT),
+        ("b_wrong", WRONG),
+        ("c_crashes", CRASHES),
+        ("d_loops_and_deletes", LOOPS_AND_DELETES),
+    ]:
+        nbformat.write(chapter1_submission(body), subs / f"{name}.ipynb")
+    (subs / "e_not_a_notebook.ipynb").write_text("{ this is not json")
+    monkeypatch.setenv("SUBMISSIONS", str(subs))
+
+    rows = grading.grade([subs], timeout=120, cell_timeout=10)
+    out = tmp_path / "out" / "scores.csv"
+    grading.write_csv(rows, out)
+    table = {(Path(r["submission"]).stem, r["exercise"]): r for r in csv.DictReader(open(out))}
+
+    def status(sub, ex):
+        return table[(sub, ex)]["status"], table[(sub, ex)]["message"]
+
+    assert status("a_right", "ex-1-batch")[0] == "passed"
+    assert status("a_right", "ex-1-max-batch")[0] == "passed"
+    s, msg = status("b_wrong", "ex-1-batch")
+    assert s == "failed" and "parameters" in msg
+    s, msg = status("b_wrong", "ex-1-max-batch")
+    assert s == "failed" and "expected" in msg
+    s, msg = status("c_crashes", "ex-1-batch")
+    assert s == "not run" and "could not be run" in msg
+    # the loop is interrupted after 10 s; the function above it is still graded
+    assert status("d_loops_and_deletes", "ex-1-max-batch")[0] == "passed"
+    s, msg = status("d_loops_and_deletes", "ex-1-batch")
+    assert s == "missing" and "growth_when_batch_doubles" in msg
+    assert table[("e_not_a_notebook", "-")]["status"] == "not run"
+    scores = {k: int(r["score"]) for k, r in table.items()}
+    assert sum(v for (sub, _), v in scores.items() if sub == "a_right") == 2
+    assert sum(v for (sub, _), v in scores.items() if sub != "a_right") == 1
