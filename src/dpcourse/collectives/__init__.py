@@ -1,0 +1,39 @@
+"""Collectives built from point-to-point messages (chapters 5 and 6).
+
+Each has the semantics of its ``torch.distributed`` counterpart (in place where that one is) and
+is tested against it on every world size from 1 to 8 and lengths that do not divide evenly:
+
+=========================  ===================================  =========================
+ours                       torch.distributed                    module
+=========================  ===================================  =========================
+``linear_broadcast``       ``dist.broadcast``                   :mod:`.naive`
+``naive_all_reduce``       ``dist.all_reduce``                  :mod:`.naive`
+``tree_broadcast``         ``dist.broadcast``                   :mod:`.tree`
+``tree_reduce``            ``dist.reduce``                      :mod:`.tree`
+``tree_all_reduce``        ``dist.all_reduce``                  :mod:`.tree`
+``ring_reduce_scatter``    ``dist.reduce_scatter``              :mod:`.ring`
+``ring_all_gather``        ``dist.all_gather``                  :mod:`.ring`
+``ring_all_reduce``        ``dist.all_reduce``                  :mod:`.ring`
+=========================  ===================================  =========================
+
+Their traffic goes through :mod:`.p2p`, which counts it (:func:`count_traffic`).
+"""
+
+from dpcourse.collectives.naive import linear_broadcast, naive_all_reduce
+from dpcourse.collectives.p2p import Traffic, count_traffic
+from dpcourse.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from dpcourse.collectives.tree import tree_all_reduce, tree_broadcast, tree_reduce, tree_rounds
+
+__all__ = [
+    "linear_broadcast",
+    "naive_all_reduce",
+    "tree_broadcast",
+    "tree_reduce",
+    "tree_all_reduce",
+    "tree_rounds",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "count_traffic",
+    "Traffic",
+]

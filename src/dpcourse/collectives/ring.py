@@ -1,0 +1,99 @@
+"""Ring all-reduce from point-to-point messages (chapter 6).
+
+The N ranks stand in a ring; rank r sends only to r+1 and receives only from r-1. The tensor is
+cut into N chunks (:func:`~dpcourse.collectives.ops.chunk_bounds`, any length, even shorter
+than N). Two phases of N-1 steps each:
+
+1. **reduce-scatter**: at step s, rank r sends chunk (r-s-1) mod N and adds the chunk
+   (r-s-2) mod N it receives to its own. After N-1 steps rank r holds chunk r fully reduced.
+2. **all-gather**: at step s, rank r sends chunk (r-s) mod N, complete, and stores the chunk
+   (r-s-1) mod N it receives. After N-1 steps every rank holds every reduced chunk.
+
+Each rank sends (N-1)/N of the data in each phase, 2(N-1)/N in all: for large N about twice the
+data, however many ranks there are. That is why the ring is bandwidth-optimal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpcourse.collectives.ops import check_input, chunk_bounds, combine_, finish_
+from dpcourse.collectives.p2p import exchange
+
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
+
+
+def _reduce_scatter_(flat: torch.Tensor, op: str, rank: int, world: int) -> None:
+    """Phase 1 in place on a flat tensor: afterwards chunk ``rank`` is reduced (not averaged)."""
+    bounds = chunk_bounds(flat.numel(), world)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
+    for step in range(world - 1):
+        s0, s1 = bounds[(rank - step - 1) % world]
+        r0, r1 = bounds[(rank - step - 2) % world]
+        buf = incoming[: r1 - r0]
+        exchange(flat[s0:s1], right, buf, left)
+        combine_(flat[r0:r1], buf, op)
+
+
+def _all_gather_(flat: torch.Tensor, rank: int, world: int) -> None:
+    """Phase 2 in place: rank r starts with chunk r complete and ends with all of them."""
+    bounds = chunk_bounds(flat.numel(), world)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        s0, s1 = bounds[(rank - step) % world]
+        r0, r1 = bounds[(rank - step - 1) % world]
+        exchange(flat[s0:s1], right, flat[r0:r1], left)
+
+
+def ring_reduce_scatter(
+    tensor: torch.Tensor, op: str = "sum", check_shapes: bool = True
+) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return this rank's chunk of the result.
+
+    Every rank passes a tensor of the same shape and dtype. The result is chunk ``rank`` of the
+    reduced tensor, flattened and split as ``torch.tensor_split(reduced.flatten(), N)`` would
+    (what ``dist.reduce_scatter`` gives when fed those chunks). ``tensor`` is left unchanged.
+    ``op``: "sum", "mean", "max" or "min".
+    """
+    rank, world = check_input(tensor, op, check_shapes)
+    flat = tensor.detach().flatten().clone()
+    _reduce_scatter_(flat, op, rank, world)
+    start, end = chunk_bounds(flat.numel(), world)[rank]
+    out = flat[start:end].clone()
+    finish_(out, op, world)
+    return out
+
+
+def ring_all_gather(tensor: torch.Tensor, check_shapes: bool = True) -> list[torch.Tensor]:
+    """Every rank's ``tensor``, in rank order, on every rank (like ``dist.all_gather``)."""
+    rank, world = check_input(tensor, None, check_shapes)
+    n = tensor.numel()
+    flat = torch.empty(n * world, dtype=tensor.dtype, device=tensor.device)
+    flat[rank * n : (rank + 1) * n] = tensor.detach().flatten()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        s = (rank - step) % world
+        r = (rank - step - 1) % world
+        exchange(flat[s * n : (s + 1) * n], right, flat[r * n : (r + 1) * n], left)
+    return [flat[i * n : (i + 1) * n].view(tensor.shape).clone() for i in range(world)]
+
+
+def ring_all_reduce(
+    tensor: torch.Tensor, op: str = "sum", check_shapes: bool = True
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place with a ring (like ``dist.all_reduce``); returns it.
+
+    Works for any length and world size, for every dtype the backend can send, on CPU and CUDA.
+    ``check_shapes`` first verifies that all ranks passed the same size and dtype (one tiny
+    all-reduce; benchmarks turn it off).
+    """
+    rank, world = check_input(tensor, op, check_shapes)
+    if world == 1:
+        return tensor
+    flat = tensor.view(-1)
+    _reduce_scatter_(flat, op, rank, world)
+    start, end = chunk_bounds(flat.numel(), world)[rank]
+    finish_(flat[start:end], op, world)  # each rank averages only the chunk it owns
+    _all_gather_(flat, rank, world)
+    return tensor
