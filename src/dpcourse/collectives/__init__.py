@@ -21,7 +21,12 @@ Their traffic goes through :mod:`.p2p`, which counts it (:func:`count_traffic`).
 
 from dpcourse.collectives.naive import linear_broadcast, naive_all_reduce
 from dpcourse.collectives.p2p import Traffic, count_traffic
-from dpcourse.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from dpcourse.collectives.ring import (
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+    ring_schedule,
+)
 from dpcourse.collectives.tree import tree_all_reduce, tree_broadcast, tree_reduce, tree_rounds
 
 __all__ = [
@@ -34,6 +39,7 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_all_gather",
     "ring_all_reduce",
+    "ring_schedule",
     "count_traffic",
     "Traffic",
 ]

@@ -20,7 +20,20 @@ import torch
 from dpcourse.collectives.ops import check_input, chunk_bounds, combine_, finish_
 from dpcourse.collectives.p2p import exchange
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce"]
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_schedule"]
+
+
+def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, int]:
+    """(chunk sent to rank+1, chunk received from rank-1) by ``rank`` at ``step`` of a phase.
+
+    ``phase`` is "reduce-scatter" or "all-gather". The ring below and the animation of chapter
+    6 (:mod:`dpcourse.viz_ring`) both follow this schedule.
+    """
+    if phase == "reduce-scatter":
+        return (rank - step - 1) % world, (rank - step - 2) % world
+    if phase == "all-gather":
+        return (rank - step) % world, (rank - step - 1) % world
+    raise ValueError(f"phase must be 'reduce-scatter' or 'all-gather', got {phase!r}")
 
 
 def _reduce_scatter_(flat: torch.Tensor, op: str, rank: int, world: int) -> None:
@@ -29,8 +42,8 @@ def _reduce_scatter_(flat: torch.Tensor, op: str, rank: int, world: int) -> None
     right, left = (rank + 1) % world, (rank - 1) % world
     incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
     for step in range(world - 1):
-        s0, s1 = bounds[(rank - step - 1) % world]
-        r0, r1 = bounds[(rank - step - 2) % world]
+        sent, received = ring_schedule("reduce-scatter", rank, step, world)
+        (s0, s1), (r0, r1) = bounds[sent], bounds[received]
         buf = incoming[: r1 - r0]
         exchange(flat[s0:s1], right, buf, left)
         combine_(flat[r0:r1], buf, op)
@@ -41,8 +54,8 @@ def _all_gather_(flat: torch.Tensor, rank: int, world: int) -> None:
     bounds = chunk_bounds(flat.numel(), world)
     right, left = (rank + 1) % world, (rank - 1) % world
     for step in range(world - 1):
-        s0, s1 = bounds[(rank - step) % world]
-        r0, r1 = bounds[(rank - step - 1) % world]
+        sent, received = ring_schedule("all-gather", rank, step, world)
+        (s0, s1), (r0, r1) = bounds[sent], bounds[received]
         exchange(flat[s0:s1], right, flat[r0:r1], left)
 
 

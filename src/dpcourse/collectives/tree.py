@@ -19,7 +19,7 @@ __all__ = ["tree_broadcast", "tree_reduce", "tree_all_reduce", "tree_rounds"]
 
 def tree_rounds(world_size: int) -> int:
     """Rounds of a binomial tree over ``world_size`` ranks: ceil(log2 N)."""
-    return max(0, (world_size - 1).bit_length())
+    return max(0, (int(world_size) - 1).bit_length())
 
 
 def tree_broadcast(tensor: torch.Tensor, src: int = 0, check_shapes: bool = True) -> torch.Tensor:

@@ -38,6 +38,7 @@ __all__ = [
     "registry",
     "call_learner",
     "run_learner_on_ranks",
+    "any_rank",
     "expect_close",
     "expect_equal",
     "run_check",
@@ -229,6 +230,16 @@ def run_learner_on_ranks(
         if isinstance(exc.original, Mismatch):  # a comparison made on the rank itself
             raise Mismatch(f"on rank {exc.rank} of {world_size}: {exc.original}") from None
         raise Mismatch(f"on {world_size} ranks: {exc}") from None
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank (for rank-side checks, so that all
+    ranks stop at the same case instead of some waiting for the others forever)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def expect_equal(got: Any, want: Any, what: str) -> None:

@@ -1,0 +1,78 @@
+"""Timing all-reduce implementations side by side on N ranks (chapter 6, ``bench allreduce``).
+
+Repetitions are interleaved (ring, tree, naive, library, ring, tree, ...) so that drifts in the
+machine's load hit every implementation alike; each repetition starts after a barrier and
+counts the slowest rank; the result is the median. Bus bandwidth follows nccl-tests:
+``algbw = bytes / time`` and ``busbw = algbw * 2(N-1)/N``, which makes a bandwidth-optimal
+all-reduce score the link's bandwidth whatever N is.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dpcourse import collectives as C
+from dpcourse import runtime
+
+__all__ = ["IMPLEMENTATIONS", "time_all_reduce_on_rank", "bus_bandwidth", "default_sizes"]
+
+IMPLEMENTATIONS = ("library", "ring", "tree", "naive")
+
+
+def _implementation(name: str):
+    if name == "library":
+        return dist.all_reduce
+    fn = {"ring": C.ring_all_reduce, "tree": C.tree_all_reduce, "naive": C.naive_all_reduce}[name]
+    return lambda t: fn(t, check_shapes=False)
+
+
+def default_sizes(smallest: int = 2**10, largest: int = 2**26, factor: int = 4) -> list[int]:
+    """Message sizes in bytes: 1 KiB, 4 KiB, ... 64 MiB."""
+    sizes, s = [], smallest
+    while s <= largest:
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+def time_all_reduce_on_rank(
+    sizes: list[int],
+    names: tuple[str, ...] = IMPLEMENTATIONS,
+    repeats: int = 10,
+    budget_bytes: int = 2**28,
+) -> dict[str, list[float]]:
+    """Run on every rank (with :func:`dpcourse.launch.run_ranks`): median seconds per all-reduce
+    for each implementation and size (float32). Large sizes get fewer repetitions, so that each
+    size moves at most about ``budget_bytes`` per implementation (at least 3 repetitions)."""
+    device = runtime.device()
+    fns = {n: _implementation(n) for n in names}
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    for size in sizes:
+        x = torch.ones(size // 4, device=device)
+        reps = max(3, min(repeats, budget_bytes // size))
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for n in names:  # one warm-up each: first use allocates buffers and connections
+            fns[n](x.clone())
+        for _ in range(reps):
+            for n in names:
+                y = x.clone()
+                dist.barrier()
+                start = time.perf_counter()
+                fns[n](y)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank counts
+                times[n].append(elapsed.item())
+        for n in names:
+            medians[n].append(statistics.median(times[n]))
+    return medians
+
+
+def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> float:
+    """nccl-tests' bus bandwidth of an all-reduce, in bytes per second."""
+    return size_bytes / seconds * 2 * (world_size - 1) / world_size

@@ -1,0 +1,81 @@
+"""The alpha-beta cost model of the collectives (chapters 6 and 10).
+
+Sending ``n`` bytes between two ranks costs ``alpha + n / beta``: ``alpha`` is the latency of
+one message (seconds), ``beta`` the bandwidth (bytes per second). An algorithm is a number of
+message rounds and a number of bytes each rank must push through its link, one after the other:
+
+==========  =======================  ===============================
+algorithm   latency term             bandwidth term
+==========  =======================  ===============================
+naive       2(N-1) alpha             2(N-1) n / beta  (all via rank 0)
+tree        2 ceil(log2 N) alpha     2 ceil(log2 N) n / beta
+ring        2(N-1) alpha             2(N-1)/N n / beta
+==========  =======================  ===============================
+
+The ring pays the most latency but the least bandwidth, which for large gradients is what
+counts: its bandwidth term does not grow with N. :func:`fit` finds ``alpha`` and ``beta`` from
+measured times by least squares.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["ALGORITHMS", "terms", "predict", "Fit", "fit"]
+
+ALGORITHMS = ("naive", "tree", "ring")
+
+
+def terms(algorithm: str, world_size: int) -> tuple[float, float]:
+    """(number of latencies, multiple of n/beta) that an all-reduce of ``algorithm`` costs."""
+    n = world_size
+    if n < 1:
+        raise ValueError(f"world_size must be at least 1, got {n}")
+    if n == 1:
+        return 0.0, 0.0
+    if algorithm == "naive":
+        return 2.0 * (n - 1), 2.0 * (n - 1)
+    if algorithm == "tree":
+        rounds = math.ceil(math.log2(n))
+        return 2.0 * rounds, 2.0 * rounds
+    if algorithm == "ring":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+
+
+def predict(algorithm: str, world_size: int, size_bytes, alpha: float, beta: float):
+    """Modelled seconds of an all-reduce of ``size_bytes`` (a number or an array)."""
+    a, b = terms(algorithm, world_size)
+    return a * alpha + b * np.asarray(size_bytes, dtype=float) / beta
+
+
+@dataclass(frozen=True)
+class Fit:
+    algorithm: str
+    world_size: int
+    alpha: float  # seconds per message
+    beta: float  # bytes per second
+
+    def predict(self, size_bytes):
+        return predict(self.algorithm, self.world_size, size_bytes, self.alpha, self.beta)
+
+
+def fit(
+    algorithm: str, world_size: int, sizes_bytes: Sequence[float], seconds: Sequence[float]
+) -> Fit:
+    """Least-squares ``alpha`` and ``beta`` from measured times, weighting every point by
+    1/time so that small messages (latency) count as much as large ones (bandwidth)."""
+    a, b = terms(algorithm, world_size)
+    sizes = np.asarray(sizes_bytes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    if sizes.shape != t.shape or sizes.size < 2:
+        raise ValueError("need at least two (size, time) measurements of the same length")
+    design = np.stack([np.full_like(sizes, a), b * sizes], axis=1) / t[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    alpha = max(float(alpha), 0.0)
+    inv_beta = max(float(inv_beta), 1e-15)
+    return Fit(algorithm, world_size, alpha, 1.0 / inv_beta)

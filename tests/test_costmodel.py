@@ -1,0 +1,61 @@
+"""The alpha-beta cost model and the all-reduce timing helpers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dpcourse import commbench, costmodel
+from dpcourse.launch import run_ranks
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 1000])
+def test_terms_match_the_counted_traffic_formulas(n):
+    assert costmodel.terms("ring", n) == (2 * (n - 1), 2 * (n - 1) / n)
+    assert costmodel.terms("naive", n) == (2 * (n - 1), 2 * (n - 1))
+    rounds = math.ceil(math.log2(n))
+    assert costmodel.terms("tree", n) == (2 * rounds, 2 * rounds)
+
+
+def test_one_rank_costs_nothing_and_bad_input_is_refused():
+    assert costmodel.terms("ring", 1) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="algorithm"):
+        costmodel.terms("butterfly", 4)
+    with pytest.raises(ValueError, match="world_size"):
+        costmodel.terms("ring", 0)
+    with pytest.raises(ValueError, match="two"):
+        costmodel.fit("ring", 4, [1.0], [1.0])
+
+
+@pytest.mark.parametrize("algorithm", costmodel.ALGORITHMS)
+def test_fit_recovers_alpha_and_beta(algorithm):
+    sizes = np.logspace(10, 26, 9, base=2)
+    rng = np.random.default_rng(0)
+    seconds = costmodel.predict(algorithm, 4, sizes, 25e-6, 3e9) * rng.uniform(0.97, 1.03, 9)
+    f = costmodel.fit(algorithm, 4, sizes, seconds)
+    assert f.alpha == pytest.approx(25e-6, rel=0.1)
+    assert f.beta == pytest.approx(3e9, rel=0.1)
+    assert f.predict(sizes) == pytest.approx(seconds, rel=0.1)
+
+
+def test_ring_time_stays_bounded_as_n_grows_while_naive_does_not():
+    t = {n: costmodel.predict("ring", n, 1e8, 0.0, 1e10) for n in (2, 64, 4096)}
+    assert t[4096] < 2 * 1e8 / 1e10 and t[2] == pytest.approx(1e8 / 1e10)
+    assert costmodel.predict("naive", 4096, 1e8, 0.0, 1e10) == pytest.approx(2 * 4095 * 1e-2)
+
+
+def test_bus_bandwidth_is_nccl_tests_definition():
+    assert commbench.bus_bandwidth(1e9, 1.0, 4) == pytest.approx(1.5e9)
+    assert commbench.bus_bandwidth(1e9, 1.0, 2) == pytest.approx(1e9)
+    assert commbench.default_sizes() == [2**k for k in range(10, 27, 2)]
+
+
+def test_timing_on_ranks_returns_a_median_per_implementation_and_size():
+    sizes = [2**10, 2**14]
+    results = run_ranks(commbench.time_all_reduce_on_rank, 2, sizes, repeats=3)
+    assert results[0] == results[1]  # the slowest rank's time, agreed on by both
+    for name in commbench.IMPLEMENTATIONS:
+        assert len(results[0][name]) == len(sizes)
+        assert all(0 < t < 10 for t in results[0][name])

@@ -1,0 +1,106 @@
+"""Chapters 5 and 6's checks: the references pass; plausible wrong answers fail, saying why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dpcourse import collectives as C
+from dpcourse.exercises import ch05, ch06, run_check
+
+
+def linear_broadcast(t, src):
+    C.linear_broadcast(t, src=src)
+
+
+def tree_from_rank_zero_only(t, src):
+    C.tree_broadcast(t, src=0)  # ignores the root it was given
+
+
+def ring_for_multiples_only(t):
+    """A ring whose chunks are n // N long: the last n % N values are never reduced."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    k = t.numel() // n
+    right, left = (r + 1) % n, (r - 1) % n
+    for s in range(n - 1):
+        si, ri = (r - s) % n, (r - s - 1) % n
+        buf = torch.empty(k)
+        req = dist.irecv(buf, left)
+        dist.send(t[si * k : (si + 1) * k].clone(), right)
+        req.wait()
+        t[ri * k : (ri + 1) * k] += buf
+    for s in range(n - 1):
+        si, ri = (r - s + 1) % n, (r - s) % n
+        buf = torch.empty(k)
+        req = dist.irecv(buf, left)
+        dist.send(t[si * k : (si + 1) * k].clone(), right)
+        req.wait()
+        t[ri * k : (ri + 1) * k] = buf
+
+
+def ring_that_deadlocks(t):
+    """Every rank sends first, blocking, and receives after: nobody is receiving."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    dist.send(t, (r + 1) % n)
+    buf = torch.empty_like(t)
+    dist.recv(buf, (r - 1) % n)
+    t += buf
+
+
+def mean_instead_of_sum(t):
+    C.ring_all_reduce(t, op="mean")
+
+
+def returns_instead_of_in_place(t):
+    return C.ring_all_reduce(t.clone())
+
+
+@pytest.fixture
+def short_timeouts(monkeypatch):
+    monkeypatch.setattr(ch05, "RANK_TIMEOUT", 8.0)
+    monkeypatch.setattr(ch06, "RANK_TIMEOUT", 8.0)
+
+
+def test_tree_broadcast_check():
+    assert run_check("ex-5-tree-broadcast", lambda t, s: C.tree_broadcast(t, src=s)).passed
+    result = run_check("ex-5-tree-broadcast", linear_broadcast)
+    assert not result.passed and "the root sent 3 messages" in result.message
+    assert "ceil(log2 4) = 2" in result.message
+    result = run_check("ex-5-tree-broadcast", tree_from_rank_zero_only)
+    assert not result.passed and "root 1" in result.message and "rank 1's value" in result.message
+
+
+def test_ring_check_passes_the_reference_and_fails_wrong_rings(short_timeouts):
+    assert run_check("ex-6-ring", C.ring_all_reduce).passed
+    result = run_check("ex-6-ring", ring_for_multiples_only)
+    assert not result.passed and "not a multiple of 4" in result.message
+    result = run_check("ex-6-ring", mean_instead_of_sum)
+    assert not result.passed and "mean where a sum" in result.message
+    result = run_check("ex-6-ring", returns_instead_of_in_place)
+    assert not result.passed and "not changed in place" in result.message
+
+
+@pytest.mark.slow
+def test_ring_check_stops_a_deadlock_and_shows_where(short_timeouts):
+    result = run_check("ex-6-ring", ring_that_deadlocks)
+    assert not result.passed
+    assert "did not finish within 8 s" in result.message and "deadlock" in result.message
+    assert (
+        "in ring_that_deadlocks" in result.message and "dist.send(t, (r + 1) % n)" in result.message
+    )
+
+
+def test_rounds_and_bytes_checks():
+    import math
+
+    assert run_check("ex-5-rounds", lambda n: math.ceil(math.log2(n)) if n > 1 else 0).passed
+    result = run_check("ex-5-rounds", lambda n: math.floor(math.log2(n)) + 1)
+    assert not result.passed and "power of two" in result.message
+    result = run_check("ex-5-rounds", lambda n: n - 1)
+    assert not result.passed and "that is the line" in result.message
+    assert run_check("ex-6-bytes", lambda b, n: 2 * (n - 1) * b // n).passed
+    result = run_check("ex-6-bytes", lambda b, n: (n - 1) * b // n)
+    assert not result.passed and "one phase" in result.message
+    result = run_check("ex-6-bytes", lambda b, n: 2 * (n - 1) * b)
+    assert not result.passed and "1/N of the data" in result.message
