@@ -8,12 +8,16 @@ Chapters 5 and 6 build broadcast, reduce and all-reduce out of nothing but ``sen
 * **posts receives before sends** (:func:`exchange`): gloo moves data only once the receiver has
   posted its receive, so "everyone sends, then everyone receives" would deadlock on a ring;
 * **stages CUDA tensors through the CPU** when the backend is gloo, whose send and recv take CPU
-  tensors only; with NCCL, tensors go GPU to GPU.
+  tensors only; with NCCL, tensors go GPU to GPU;
+* can be pointed at a **simulated network** instead of torch.distributed
+  (:mod:`dpcourse.simulate`), so that the same collective code runs on thousands of virtual
+  ranks with links of a chosen latency and bandwidth.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -34,23 +38,32 @@ class Traffic:
     log: list[tuple[str, int, int]] = field(default_factory=list)  # (send/recv, peer, bytes)
 
 
-_counters: list[Traffic] = []
+# Per thread: the virtual ranks of a simulation are threads of one process, each with its own.
+_counting = threading.local()
+# Set per thread by dpcourse.simulate: that thread is a virtual rank of a simulated network.
+_simulated = threading.local()
+
+
+def _network():
+    return getattr(_simulated, "network", None)
 
 
 @contextlib.contextmanager
 def count_traffic() -> Iterator[Traffic]:
     """Count this rank's point-to-point traffic inside the ``with`` block."""
     traffic = Traffic()
-    _counters.append(traffic)
+    if not hasattr(_counting, "active"):
+        _counting.active = []
+    _counting.active.append(traffic)
     try:
         yield traffic
     finally:
-        _counters.remove(traffic)
+        _counting.active.remove(traffic)
 
 
 def _record(kind: str, peer: int, tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
-    for t in _counters:
+    for t in getattr(_counting, "active", ()):
         if kind == "send":
             t.bytes_sent += nbytes
             t.messages_sent += 1
@@ -62,6 +75,8 @@ def _record(kind: str, peer: int, tensor: torch.Tensor) -> None:
 
 def rank_and_size() -> tuple[int, int]:
     """This rank and the world size; a clear error outside a process group."""
+    if (net := _network()) is not None:
+        return _simulated.rank, net.world_size
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "no process group: the collectives run on several ranks. Call them inside a function "
@@ -78,12 +93,18 @@ def _needs_staging(tensor: torch.Tensor) -> bool:
 def send(tensor: torch.Tensor, dst: int) -> None:
     """Blocking send of ``tensor`` to rank ``dst`` (counted)."""
     _record("send", dst, tensor)
+    if (net := _network()) is not None:
+        net.wait(_simulated.rank, net.post_send(_simulated.rank, dst, tensor))
+        return
     dist.send(tensor.cpu() if _needs_staging(tensor) else tensor, dst)
 
 
 def recv(tensor: torch.Tensor, src: int) -> None:
     """Blocking receive from rank ``src`` into ``tensor`` (counted)."""
     _record("recv", src, tensor)
+    if (net := _network()) is not None:
+        net.wait(_simulated.rank, net.post_recv(_simulated.rank, src, tensor))
+        return
     if _needs_staging(tensor):
         buf = torch.empty_like(tensor, device="cpu")
         dist.recv(buf, src)
@@ -100,6 +121,17 @@ def exchange(
     The receive is posted first and both run asynchronously, so a ring of ranks that all call
     this at once never deadlocks. Either side may be ``None`` (or empty) to skip it.
     """
+    if (net := _network()) is not None:
+        me, tickets = _simulated.rank, []
+        if recv_tensor is not None and recv_tensor.numel() > 0:
+            _record("recv", src, recv_tensor)
+            tickets.append(net.post_recv(me, src, recv_tensor))
+        if send_tensor is not None and send_tensor.numel() > 0:
+            _record("send", dst, send_tensor)
+            tickets.append(net.post_send(me, dst, send_tensor))
+        for ticket in tickets:
+            net.wait(me, ticket)
+        return
     works = []
     staged = None
     if recv_tensor is not None and recv_tensor.numel() > 0:

@@ -1,0 +1,76 @@
+"""The simulated network runs the real collectives and agrees with the alpha-beta formulas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpcourse import collectives as C
+from dpcourse import costmodel, simulate
+from dpcourse.collectives import p2p
+
+
+@pytest.mark.parametrize("algorithm", costmodel.ALGORITHMS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16, 33])
+def test_simulated_time_equals_the_formula(algorithm, world):
+    t = simulate.all_reduce_time(algorithm, world, 1e8, alpha=5e-6, beta=12.5e9)
+    assert t == pytest.approx(costmodel.predict(algorithm, world, 1e8, 5e-6, 12.5e9), rel=1e-9)
+
+
+def test_the_real_code_runs_and_computes_the_right_values():
+    def body():
+        rank, world = p2p.rank_and_size()
+        x = torch.arange(10, dtype=torch.float64) * (rank + 1)
+        C.ring_all_reduce(x, check_shapes=False)
+        y = torch.tensor([float(rank)])
+        C.tree_broadcast(y, src=2, check_shapes=False)
+        return x.tolist(), y.item()
+
+    result = simulate.run(body, 5, alpha=1e-6, beta=1e9)
+    for x, y in result.results:
+        assert x == [i * 15.0 for i in range(10)] and y == 2.0
+    assert result.network.messages == 2 * 4 * 5 + 4  # ring: 2(N-1) per rank; tree: N-1
+
+
+def test_traffic_is_counted_in_the_simulation_too():
+    def body():
+        x = torch.ones(12)
+        with C.count_traffic() as t:
+            C.ring_all_reduce(x, check_shapes=False)
+        return t.bytes_sent
+
+    assert simulate.run(body, 4).results == [2 * 3 * 48 // 4] * 4
+
+
+def test_a_link_is_shared_so_the_naive_root_is_the_bottleneck():
+    one = simulate.all_reduce_time("naive", 8, 1e6, alpha=0.0, beta=1e9)
+    assert one == pytest.approx(2 * 7 * 1e-3)  # 14 transfers through rank 0's links, in a row
+
+
+def test_a_deadlock_is_reported_not_hung():
+    def body():
+        rank, world = p2p.rank_and_size()
+        net = p2p._simulated.network
+        net.wait(rank, net.post_recv(rank, (rank + 1) % world, torch.ones(1)), timeout=1)
+
+    with pytest.raises(RuntimeError, match=r"(?s)virtual rank 0 of 3 failed.*a deadlock"):
+        simulate.run(body, 3)
+
+
+def test_mismatched_messages_and_bad_peers_are_errors():
+    def mismatched():
+        rank, _ = p2p.rank_and_size()
+        if rank == 0:
+            p2p.send(torch.ones(3), 1)
+        else:
+            p2p.recv(torch.ones(2), 0)
+
+    with pytest.raises(RuntimeError, match="sends 3 elements but rank 1 expects 2"):
+        simulate.run(mismatched, 2, timeout=10)
+    with pytest.raises(ValueError, match="world_size"):
+        simulate.SimulatedNetwork(0, 1e-6, 1e9)
+
+
+def test_outside_a_simulation_the_real_process_group_is_needed():
+    with pytest.raises(RuntimeError, match="no process group"):
+        p2p.rank_and_size()
