@@ -237,3 +237,26 @@ def test_ring_on_cuda_with_nccl_world_size_one():
 @pytest.mark.multigpu
 def test_ring_on_cuda_with_nccl():
     assert all(run_ranks(on_cuda, 2, "nccl"))
+
+
+def pipelined_ring(piece: int) -> bool:
+    from dpcourse.collectives import ring
+
+    ring.PIPELINE_PIECE = piece  # this rank's process only
+    ok = []
+    for n in (0, 1, 3, 13, 50, 101, 1000):
+        x = torch.randint(-9, 10, (n,)).float()
+        want = x.clone()
+        dist.all_reduce(want)
+        with C.count_traffic() as t:
+            got = C.ring_all_reduce(x.clone())
+        chunks = [e - s for s, e in chunk_bounds(n, dist.get_world_size())]
+        r = dist.get_rank()
+        expected_bytes = 4 * ((n - chunks[r]) + (n - chunks[(r + 1) % len(chunks)]))
+        ok.append(torch.equal(got, want) and t.bytes_sent == expected_bytes)
+    return all(ok)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_pipelined_ring_equals_library_and_sends_the_same_bytes(world_size):
+    assert all(run_ranks(pipelined_ring, world_size, 7))

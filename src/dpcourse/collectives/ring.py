@@ -18,9 +18,13 @@ from __future__ import annotations
 import torch
 
 from dpcourse.collectives.ops import check_input, chunk_bounds, combine_, finish_
-from dpcourse.collectives.p2p import exchange
+from dpcourse.collectives.p2p import exchange, exchange_pieces
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_schedule"]
+
+# Chunks larger than this many elements are sent in pieces of this size during the
+# reduce-scatter, so that adding one piece overlaps with receiving the next (0: never).
+PIPELINE_PIECE = 1 << 18  # 1 MiB of float32
 
 
 def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, int]:
@@ -44,9 +48,13 @@ def _reduce_scatter_(flat: torch.Tensor, op: str, rank: int, world: int) -> None
     for step in range(world - 1):
         sent, received = ring_schedule("reduce-scatter", rank, step, world)
         (s0, s1), (r0, r1) = bounds[sent], bounds[received]
-        buf = incoming[: r1 - r0]
-        exchange(flat[s0:s1], right, buf, left)
-        combine_(flat[r0:r1], buf, op)
+        buf, target = incoming[: r1 - r0], flat[r0:r1]
+        if 0 < PIPELINE_PIECE < r1 - r0:
+            for piece in exchange_pieces(flat[s0:s1], right, buf, left, PIPELINE_PIECE):
+                combine_(target[piece], buf[piece], op)
+        else:
+            exchange(flat[s0:s1], right, buf, left)
+            combine_(target, buf, op)
 
 
 def _all_gather_(flat: torch.Tensor, rank: int, world: int) -> None:
