@@ -144,20 +144,24 @@ def make_student_edition(root: Path, out: Path) -> list[Path]:
 
 def solution_lines(root: Path, min_length: int = 25) -> list[str]:
     """Distinctive lines of every solution in the book at ``root`` (directive bodies and marked
-    code), for checking that a student edition does not leak them."""
-    lines: set[str] = set()
+    code), for checking that a student edition does not leak them. Lines that also appear
+    outside the solutions (a common ``rank = dist.get_rank()``) are not distinctive."""
+    secret: set[str] = set()
+    public: set[str] = set()
     for path in sorted((Path(root) / "chapters").rglob("*")):
         if path.suffix == ".ipynb":
-            sources = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"]]
+            cells = json.loads(path.read_text())["cells"]
+            sources = ["".join(c["source"]) for c in cells]
         elif path.suffix == ".md":
             sources = [path.read_text()]
         else:
             continue
         for src in sources:
             for _, body in re.findall(r"(`{3,}|:{3,})\{solution\}.*?\n(.*?)\n\1", src, re.S):
-                lines.update(ln.strip() for ln in body.splitlines())
+                secret.update(ln.strip() for ln in body.splitlines())
             for code in re.findall(rf"{BEGIN}\n(.*?){END}", src, re.S):
-                lines.update(ln.strip() for ln in code.splitlines())
-    return sorted(
-        ln for ln in lines if len(ln) >= min_length and not ln.startswith(("```", ":class:", ":::"))
-    )
+                secret.update(ln.strip() for ln in code.splitlines())
+            stripped = strip_solution_code(strip_solution_directives(src))
+            public.update(ln.strip() for ln in stripped.splitlines())
+    return sorted(ln for ln in secret - public
+                  if len(ln) >= min_length and not ln.startswith(("```", ":class:", ":::")))
