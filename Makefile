@@ -2,6 +2,7 @@
 #   make book   build the website, every notebook executed  -> _build/html/index.html
 #   make test   lint, build the book strictly (-W: a cell that raises fails it), run every test
 #   make lab    open the notebooks in JupyterLab
+#   make browser-test  load every built page in headless Chromium, network closed (after make book)
 # For instructors:
 #   make student                          student website and notebooks, without solutions
 #   make grade SUBMISSIONS=dir OUT=f.csv  execute submitted notebooks, write a score table
@@ -13,7 +14,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.dpcourse-installed
 PYTEST_ARGS ?=
 
-.PHONY: setup book student grade test unit lint test-notebooks bench lab clean
+.PHONY: setup vendor book student grade test unit lint test-notebooks bench lab clean browser-test
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +24,12 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP)
 
-book: $(STAMP)
+# MathJax and the widget scripts, from the npm registry into the git-ignored _vendor/static/
+# (reused when present), so that the website needs no network when it is read.
+vendor:
+	@bash tools/vendor_assets.sh
+
+book: $(STAMP) vendor
 	@rm -rf _build/html/reports
 	DPCOURSE_CHECKS_STRICT=1 $(BIN)/jupyter-book build . --all -W --keep-going || { \
 	  echo "The book did not build: see the WARNINGs above (a failing cell's traceback is"; \
@@ -32,7 +38,7 @@ book: $(STAMP)
 
 # The student edition: sources in _build/student (its chapters/ are the hand-out notebooks),
 # website in _build/student/_build/html. Unsolved exercises show "not attempted".
-student: $(STAMP)
+student: $(STAMP) vendor
 	$(BIN)/python -m dpcourse.exercises student --out _build/student
 	$(BIN)/jupyter-book build _build/student --all -W --keep-going
 	@echo "Student website: _build/student/_build/html/index.html; notebooks: _build/student/chapters/"
@@ -55,6 +61,10 @@ test: lint book student
 # Each notebook as a test of its own, cell by cell (the book build already runs them all).
 test-notebooks: $(STAMP)
 	$(BIN)/python -m pytest --nbval-lax chapters $(PYTEST_ARGS)
+
+# The website in a real browser (tests/test_browser.py) and its internal links (tests/test_links.py).
+browser-test: $(STAMP)
+	$(BIN)/python -m pytest tests/test_browser.py tests/test_links.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m dpcourse.bench launch

@@ -23,8 +23,11 @@ from dpcourse.collectives.p2p import exchange, exchange_pieces
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_schedule"]
 
 # Chunks larger than this many elements are sent in pieces of this size during the
-# reduce-scatter, so that adding one piece overlaps with receiving the next (0: never).
-PIPELINE_PIECE = 1 << 18  # 1 MiB of float32
+# reduce-scatter, so that adding one piece overlaps with receiving the next (0: never). Off by
+# default: on the course's 2-core CPU machine (gloo, 2 and 4 ranks, 1-64 MiB) pieces of 256 KiB
+# and 1 MiB gave no consistent gain (2026-11-21); try it where reductions and transfers run on
+# different hardware.
+PIPELINE_PIECE = 0
 
 
 def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, int]:

@@ -124,6 +124,10 @@ def make_student_edition(root: Path, out: Path) -> list[Path]:
         ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"),
     )
     shutil.copy2(root / "_toc.yml", out / "_toc.yml")
+    for extra in ("_ext", "assets", "_vendor"):  # what _config.yml refers to, where present
+        if (root / extra).is_dir():
+            shutil.copytree(root / extra, out / extra,
+                            ignore=shutil.ignore_patterns("__pycache__"))
     config = yaml.safe_load((root / "_config.yml").read_text())
     config["title"] = f"{config.get('title', 'Book')} (student edition)"
     config.setdefault("sphinx", {}).setdefault("config", {})["hide_solutions"] = True
