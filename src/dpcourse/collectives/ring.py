@@ -15,6 +15,8 @@ data, however many ranks there are. That is why the ring is bandwidth-optimal.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from dpcourse.collectives.ops import check_input, chunk_bounds, combine_, finish_
@@ -43,11 +45,28 @@ def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, in
     raise ValueError(f"phase must be 'reduce-scatter' or 'all-gather', got {phase!r}")
 
 
+_buffers = threading.local()  # per thread: the simulator's virtual ranks are threads
+
+
+def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable buffer of at least ``numel`` elements. Allocating a fresh one per call costs
+    more than the add it serves: large allocations are new memory mappings whose pages fault in
+    on first touch (measured 0.25 ms per 512 KiB here)."""
+    key = (like.dtype, like.device)
+    cache = getattr(_buffers, "cache", None)
+    if cache is None:
+        cache = _buffers.cache = {}
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
 def _reduce_scatter_(flat: torch.Tensor, op: str, rank: int, world: int) -> None:
     """Phase 1 in place on a flat tensor: afterwards chunk ``rank`` is reduced (not averaged)."""
     bounds = chunk_bounds(flat.numel(), world)
     right, left = (rank + 1) % world, (rank - 1) % world
-    incoming = torch.empty(bounds[0][1] - bounds[0][0], dtype=flat.dtype, device=flat.device)
+    incoming = _receive_buffer(bounds[0][1] - bounds[0][0], flat)
     for step in range(world - 1):
         sent, received = ring_schedule("reduce-scatter", rank, step, world)
         (s0, s1), (r0, r1) = bounds[sent], bounds[received]
