@@ -188,9 +188,7 @@ def all_reduce_time(
     per rank (so the ring's chunks are equal), each charged as ``nbytes / world_size`` bytes."""
     from dpcourse import collectives as C
 
-    fn = {"ring": C.ring_all_reduce, "tree": C.tree_all_reduce, "naive": C.naive_all_reduce}[
-        algorithm
-    ]
+    fn = C.ALL_REDUCES[algorithm]
 
     def one_rank():
         rank, world = p2p.rank_and_size()

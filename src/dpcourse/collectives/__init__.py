@@ -29,7 +29,11 @@ from dpcourse.collectives.ring import (
 )
 from dpcourse.collectives.tree import tree_all_reduce, tree_broadcast, tree_reduce, tree_rounds
 
+# The all-reduce algorithms by name, as chapter 6, the benchmark and the simulator call them.
+ALL_REDUCES = {"ring": ring_all_reduce, "tree": tree_all_reduce, "naive": naive_all_reduce}
+
 __all__ = [
+    "ALL_REDUCES",
     "linear_broadcast",
     "naive_all_reduce",
     "tree_broadcast",

@@ -25,6 +25,7 @@ the book's sources, ``grade`` executes submitted notebooks and writes a score ta
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 
@@ -56,6 +57,7 @@ __all__ = [
 ]
 
 
+@functools.cache
 def load_all() -> None:
     """Import every chapter's check module (``chNN.py``) so that its checks are registered."""
     for info in pkgutil.iter_modules(__path__):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dpcourse import data, models, replication
+from dpcourse import data, models, replication, training
 from dpcourse.exercises.core import Mismatch, NotAttempted, call_learner, exercise
 
 CHUNK_CASES = [(30, 4), (7, 7), (10, 3), (9, 8), (37, 5), (1, 1), (100, 3)]
@@ -118,13 +118,7 @@ def create_replicas(fn: Callable) -> str:
 def _reference_run(model, batches, n, loss_fn, make_opt):
     ref = copy.deepcopy(model)
     opt = make_opt(ref.parameters())
-    losses = []
-    for x, y in batches:
-        loss = loss_fn(ref(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = [training.train_step(ref, batch, opt, loss_fn) for batch in batches]
     return ref, losses
 
 
