@@ -17,3 +17,21 @@ def test_launch_benchmark_writes_json(tmp_path, capsys):
     assert row["world_size"] == 2
     assert row["cold_over_spawn"] == row["run_ranks_cold_s"] / row["torch_spawn_s"] > 0
     assert "cold/spawn" in capsys.readouterr().out
+
+
+def test_every_benchmark_module_is_found():
+    found = bench.benchmarks()
+    assert {"launch", "allreduce"} <= set(found)
+    for module in found.values():
+        assert module.HELP and module.__doc__
+
+
+def test_allreduce_benchmark_prints_ratios(tmp_path, capsys):
+    out = tmp_path / "ar.json"
+    assert bench.main(["allreduce", "--world-size", "2", "--repeats", "2", "--largest", "4096",
+                       "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [r["bytes"] for r in record["rows"]] == [1024, 4096]
+    for r in record["rows"]:
+        assert r["library_over_library"] == 1.0 and r["ring_over_library"] > 0
+    assert "ring/lib" in capsys.readouterr().out

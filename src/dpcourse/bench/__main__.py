@@ -1,0 +1,5 @@
+import sys
+
+from dpcourse.bench import main
+
+sys.exit(main())

@@ -1,0 +1,111 @@
+"""``python -m dpcourse.bench launch``: the cost of running a trivial function on N ranks.
+
+``run_ranks`` started cold (start the ranks, join the group, run, tear down) against
+``torch.multiprocessing.spawn`` doing the same, and a run on a warm
+:class:`~dpcourse.launch.RankPool`. The introduction and the launcher's docs quote it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+HELP = "start-up cost of run_ranks, cold and pooled, vs torch.multiprocessing.spawn"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warm-repeats", type=int, default=50)
+
+
+def run(args: argparse.Namespace) -> dict:
+    return bench_launch(args.world_sizes, args.repeats, args.warm_repeats)
+
+
+def _trivial() -> int:
+    import torch.distributed as dist
+
+    dist.barrier()
+    return dist.get_rank()
+
+
+def _spawned_rank(rank: int, world_size: int, port: int) -> None:
+    """What a minimal torch.multiprocessing.spawn job does: join, barrier, leave."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _time(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_launch(world_sizes: list[int], repeats: int, warm_repeats: int) -> dict:
+    import torch.multiprocessing as mp
+
+    from dpcourse.launch import RankPool, run_ranks
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows = []
+    for n in world_sizes:
+        cold, spawn = [], []
+        for _ in range(repeats):  # interleaved, so that drifts in machine load hit both alike
+            cold.append(_time(lambda n=n: run_ranks(_trivial, n, backend="gloo")))
+            spawn.append(
+                _time(lambda n=n: mp.spawn(_spawned_rank, args=(n, _free_port()), nprocs=n))
+            )
+        with RankPool(n, backend="gloo") as pool:
+            first = _time(lambda n=n: run_ranks(_trivial, n, backend="gloo"))
+            warm = [
+                _time(lambda n=n: run_ranks(_trivial, n, backend="gloo"))
+                for _ in range(warm_repeats)
+            ]
+            assert pool.started
+        row = {
+            "world_size": n,
+            "run_ranks_cold_s": statistics.median(cold),
+            "torch_spawn_s": statistics.median(spawn),
+            "pool_first_run_s": first,
+            "pool_warm_run_s": statistics.median(warm),
+        }
+        row["cold_over_spawn"] = row["run_ranks_cold_s"] / row["torch_spawn_s"]
+        row["warm_over_cold"] = row["pool_warm_run_s"] / row["run_ranks_cold_s"]
+        rows.append(row)
+    return {"rows": rows, "repeats": repeats, "warm_repeats": warm_repeats}
+
+
+def report(result: dict) -> None:
+    print(
+        f"{'ranks':>5} {'run_ranks cold':>15} {'torch spawn':>12} {'cold/spawn':>11} "
+        f"{'pool warm':>10} {'warm/cold':>10}"
+    )
+    for r in result["rows"]:
+        print(
+            f"{r['world_size']:>5} {r['run_ranks_cold_s']:>14.3f}s {r['torch_spawn_s']:>11.3f}s "
+            f"{r['cold_over_spawn']:>10.2f}x {r['pool_warm_run_s'] * 1e3:>8.1f}ms "
+            f"{r['warm_over_cold']:>10.4f}"
+        )
+    print(
+        f"(medians of {result['repeats']} cold and {result['warm_repeats']} warm runs; "
+        "'torch spawn' = torch.multiprocessing.spawn + init_process_group + barrier + destroy)"
+    )
