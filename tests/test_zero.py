@@ -1,0 +1,298 @@
+"""Tests for dpcourse.zero: ShardedOptimizer against unsharded training and ZeroRedundancyOptimizer.
+
+The model has 71 trainable parameters (a prime), so no world size divides the flat buffer and
+every run exercises shards of unequal length. The rank-side checks are grouped into one run per
+world size (starting ranks costs a second or two).
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpcourse.collectives.ops import chunk_bounds
+from dpcourse.launch import run_ranks
+from dpcourse.zero import ShardedOptimizer, optimizer_state_bytes, owner_of, shard_bounds
+
+STEPS = 10
+# Sharded and unsharded runs sum the gradients over the ranks in different orders, so they
+# differ by float32 rounding (~1e-7 per step), which Adam's normalisation can amplify a little.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 5))  # 36 + 35 = 71 parameters
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own data
+    return torch.randn(8, 5, generator=g), torch.randn(8, 5, generator=g)
+
+
+def train(model, optimizer, steps, first_step=0, average=False):
+    """``steps`` steps on this rank's batches; ``average``: all-reduce the gradients (DDP)."""
+    world = dist.get_world_size()
+    for s in range(first_step, first_step + steps):
+        x, y = batch(s, dist.get_rank())
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(model(x), y).backward()
+        if average:
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL)
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def _checks_on_rank() -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    adamw = dict(lr=1e-2, weight_decay=0.1)
+
+    # AdamW with weight decay: unsharded (gradients all-reduced) and ZeroRedundancyOptimizer.
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **adamw)
+    want = train(ref, ref_opt, STEPS, average=True)
+    zro = make_model()
+    zro_opt = ZeroRedundancyOptimizer(zro.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+    from_torch_zero = train(zro, zro_opt, STEPS, average=True)
+    model = make_model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
+    got = train(model, opt, STEPS)
+    out["adamw_vs_unsharded"] = close(got, want)
+    out["adamw_vs_zero_redundancy"] = close(got, from_torch_zero)
+    initial = [p.detach() for p in make_model().parameters()]
+    out["moved"] = max((a - b).abs().max().item() for a, b in zip(got, initial, strict=True))
+
+    # State bytes: each state tensor holds floor or ceil of 71 / N elements; together, all.
+    out["state_numels"] = [
+        t.numel() for s in opt.state.values() for k, t in s.items() if k != "step"
+    ]
+    out["state_bytes"] = optimizer_state_bytes(opt)
+    out["unsharded_state_bytes"] = optimizer_state_bytes(ref_opt)
+    out["shard"] = opt.shard_ranges()[0]
+
+    # SGD with momentum and Nesterov.
+    sgd = dict(lr=0.05, momentum=0.9, nesterov=True)
+    ref = make_model()
+    want = train(ref, torch.optim.SGD(ref.parameters(), **sgd), STEPS, average=True)
+    model = make_model()
+    out["sgd"] = close(
+        train(model, ShardedOptimizer(model.parameters(), torch.optim.SGD, **sgd), STEPS), want
+    )
+
+    # Parameter groups with their own lr and weight decay, and a frozen layer.
+    def groups(m):
+        m[0].requires_grad_(False)  # frozen: excluded, never changed
+        return [
+            {"params": [m[2].weight], "lr": 2e-2, "weight_decay": 0.3},
+            {"params": [m[2].bias, m[0].weight], "lr": 5e-3, "weight_decay": 0.0},
+        ]
+
+    ref = make_model()
+    want = train(ref, torch.optim.AdamW(groups(ref), lr=1e-3), STEPS, average=True)
+    model = make_model()
+    opt = ShardedOptimizer(groups(model), torch.optim.AdamW, lr=1e-3)
+    got = train(model, opt, STEPS)
+    out["groups"] = close(got, want)
+    out["frozen_unchanged"] = torch.equal(model[0].weight, make_model()[0].weight)
+    out["group_lrs"] = [g["lr"] for g in opt.param_groups]
+    out["group_shards"] = opt.shard_ranges()
+
+    # Stage 2: same trajectory; afterwards only the shard of the gradient is left.
+    ref = make_model()
+    want = train(ref, torch.optim.AdamW(ref.parameters(), **adamw), STEPS, average=True)
+    model = make_model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, **adamw)
+    out["stage2"] = close(train(model, opt, STEPS), want)
+    out["stage2_grads_freed"] = all(p.grad is None for p in model.parameters())
+    out["stage2_grad_numel"] = sum(s.grad.numel() for s in opt.shards)
+
+    # A sharded checkpoint resumes exactly: 5 steps, save, 5 more == load, the same 5 more.
+    model = make_model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
+    train(model, opt, 5)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    straight = train(model, opt, 5, first_step=5)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed_model = make_model(seed=1)  # different weights and no state until loaded
+    resumed = ShardedOptimizer(resumed_model.parameters(), torch.optim.AdamW, lr=0.5)
+    resumed_model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["optimizer"])
+    again = train(resumed_model, resumed, 5, first_step=5)
+    out["resume_exact"] = all(torch.equal(a, b) for a, b in zip(straight, again, strict=True))
+    out["resumed_lr"] = resumed.param_groups[0]["lr"]
+
+    # Another rank's checkpoint is refused with a message saying what to do.
+    wrong = opt.state_dict()
+    wrong["layout"] = {**wrong["layout"], "rank": (rank + 1) % world}
+    try:
+        opt.load_state_dict(wrong)
+        out["wrong_rank"] = None
+    except ValueError as exc:
+        out["wrong_rank"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def results(request):
+    return request.param, run_ranks(_checks_on_rank, request.param, timeout=120)
+
+
+def test_adamw_matches_unsharded_and_zero_redundancy_optimizer(results):
+    world, per_rank = results
+    for r in per_rank:  # close() asserted on the ranks; here: the runs really trained
+        assert r["adamw_vs_unsharded"] <= ATOL + RTOL and r["adamw_vs_zero_redundancy"] <= 1e-5
+        assert r["moved"] > 1e-2
+
+
+def test_state_is_one_nth_per_rank_to_within_one_element(results):
+    world, per_rank = results
+    low, high = 71 // world, -(-71 // world)
+    for rank, r in enumerate(per_rank):
+        assert r["state_numels"] == [r["shard"][1] - r["shard"][0]] * 2  # exp_avg, exp_avg_sq
+        assert all(low <= n <= high for n in r["state_numels"])
+        assert r["shard"] == (*chunk_bounds(71, world)[rank], 71)
+    total = sum(r["state_bytes"] for r in per_rank)
+    unsharded = per_rank[0]["unsharded_state_bytes"]  # 2 x 71 floats + 4 step counters
+    assert unsharded == 2 * 4 * 71 + 4 * 4
+    assert total == 2 * 4 * 71 + world * 4  # the moments split exactly; a step counter per rank
+
+
+def test_sgd_momentum_matches(results):
+    assert all(r["sgd"] <= ATOL + RTOL for r in results[1])
+
+
+def test_parameter_groups_and_frozen_parameters(results):
+    world, per_rank = results
+    for rank, r in enumerate(per_rank):
+        assert r["groups"] <= ATOL + RTOL and r["frozen_unchanged"]
+        assert r["group_lrs"] == [2e-2, 5e-3]
+        # one flat buffer per group: 30 (fc2 weight) and 5 (fc2 bias); fc1 is frozen
+        assert [g[2] for g in r["group_shards"]] == [30, 5]
+        assert [g[:2] for g in r["group_shards"]] == [
+            chunk_bounds(30, world)[rank],
+            chunk_bounds(5, world)[rank],
+        ]
+
+
+def test_stage_2_matches_and_keeps_only_the_gradient_shard(results):
+    world, per_rank = results
+    for rank, r in enumerate(per_rank):
+        assert r["stage2"] <= ATOL + RTOL and r["stage2_grads_freed"]
+        start, end = chunk_bounds(71, world)[rank]
+        assert r["stage2_grad_numel"] == end - start
+
+
+def test_sharded_checkpoint_resumes_exactly(results):
+    for r in results[1]:
+        assert r["resume_exact"] and r["resumed_lr"] == 1e-2
+        assert "belongs to rank" in r["wrong_rank"] and "same world size" in r["wrong_rank"]
+
+
+def _bad_input_on_rank() -> dict:
+    errors = {}
+
+    def error(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    model = make_model()
+    errors["empty"] = error(lambda: ShardedOptimizer([], torch.optim.SGD, lr=0.1))
+    frozen = make_model().requires_grad_(False)
+    errors["all_frozen"] = error(
+        lambda: ShardedOptimizer(frozen.parameters(), torch.optim.SGD, lr=0.1)
+    )
+    on_meta = nn.Linear(2, 2, device="meta")
+    errors["devices"] = error(
+        lambda: ShardedOptimizer(
+            [*model.parameters(), *on_meta.parameters()], torch.optim.SGD, lr=0.1
+        )
+    )
+    errors["dtypes"] = error(
+        lambda: ShardedOptimizer(
+            [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, dtype=torch.float64))],
+            torch.optim.SGD,
+            lr=0.1,
+        )
+    )
+    errors["stage3"] = error(
+        lambda: ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=3, lr=0.1)
+    )
+    errors["instance"] = error(
+        lambda: ShardedOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1))
+    )
+    errors["not_checkpoint"] = error(
+        lambda: ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1).load_state_dict(
+            {"state": {}}
+        )
+    )
+    return errors
+
+
+def test_bad_input_gets_errors_that_say_what_to_do():
+    errors = run_ranks(_bad_input_on_rank, 2, timeout=60)[0]
+    assert "no trainable parameters" in errors["all_frozen"]
+    assert "empty parameter list" in errors["empty"]
+    assert "several devices (cpu, meta)" in errors["devices"] and "model.to(" in errors["devices"]
+    assert "mixes dtypes" in errors["dtypes"] and "group of their own" in errors["dtypes"]
+    assert "fully_shard" in errors["stage3"]
+    assert errors["instance"].startswith("TypeError") and "the class" in errors["instance"]
+    assert "not a ShardedOptimizer checkpoint" in errors["not_checkpoint"]
+
+
+def test_no_process_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="no process group.*run_ranks"):
+        ShardedOptimizer(make_model().parameters(), torch.optim.SGD, lr=0.1)
+
+
+def _one_rank() -> float:
+    ref, model = make_model(), make_model()
+    want = train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), 3)
+    return close(
+        train(model, ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-2), 3), want
+    )
+
+
+def test_one_rank_is_plain_training():
+    assert run_ranks(_one_rank, 1, timeout=60) == [0.0]
+
+
+@pytest.mark.parametrize("numel", [0, 1, 3, 4, 5, 71, 1000, 1001])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_shard_bounds_and_owner_of_agree_with_the_ring_chunks(numel, world):
+    pieces = torch.tensor_split(torch.arange(numel), world)
+    for rank in range(world):
+        start, end = shard_bounds(numel, world, rank)
+        assert torch.equal(torch.arange(start, end), pieces[rank])
+    owners = [owner_of(i, numel, world) for i in range(numel)]
+    assert owners == [r for r in range(world) for _ in pieces[r]]
+
+
+def test_shard_bounds_and_owner_of_reject_bad_input():
+    with pytest.raises(ValueError):
+        shard_bounds(10, 2, 2)
+    with pytest.raises(ValueError):
+        shard_bounds(-1, 2, 0)
+    with pytest.raises(IndexError):
+        owner_of(10, 10, 2)
