@@ -1,0 +1,438 @@
+"""DDP from scratch (dpcourse.ddp) against single-process training and torch's DDP.
+
+Each world size is one launch: the rank function trains every variant and returns what failed,
+so that a failure names the variant and the parameter instead of hiding in a rank.
+
+Tolerance: float32 with rtol=1e-5, atol=1e-6. The data-parallel gradient is the mean of the
+ranks' shard means, summed in another order than the single process's mean over the whole
+batch (and gloo's ring sums chunks in yet another order), so results agree to a few float32
+roundings (unit roundoff 6e-8) per step, compounded over the steps: we see differences of a
+few 1e-8. A wrong gradient (a sum instead of a mean, one rank's gradient, a missing bucket)
+moves the parameters by 1e-3 or more; each run checks that training without synchronisation
+fails the comparison by more than 100 times the tolerance, so the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dpcourse import data, ddp, models
+from dpcourse.launch import run_ranks
+
+STEPS, LR, BATCH = 6, 0.1, 24  # BATCH: the global batch, divisible by 2 and 4 ranks
+RTOL, ATOL = 1e-5, 1e-6
+B = 1 / ddp.MB  # one byte, in the MiB that bucket_cap_mb counts
+
+
+class Tricky(nn.Module):
+    """What real models have: a frozen layer, a frozen bias, a weight shared by two layers (one
+    Parameter object registered twice) and a buffer (``scale``, different on every rank until
+    DDP broadcasts rank 0's)."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.mid = nn.Linear(8, 8)
+        self.mid.bias.requires_grad_(False)
+        self.tied = nn.Linear(8, 8, bias=False)
+        self.tied.weight = self.mid.weight  # the same Parameter, registered twice
+        self.out = nn.Linear(8, 2)
+        self.register_buffer("scale", torch.full((5,), scale))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x * self.scale))
+        h = torch.tanh(self.frozen(h))
+        h = torch.tanh(self.tied(torch.tanh(self.mid(h))))
+        return self.out(h)
+
+
+class Branchy(nn.Module):
+    """``extra`` (registered last, so in the first bucket) is used only when asked: some steps
+    on some ranks, some steps on none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 8)
+        self.b = nn.Linear(8, 2)
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x, use_extra: bool):
+        h = torch.relu(self.a(x))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.b(h)
+
+
+def uses_extra(step: int, rank: int) -> bool:
+    return (step + rank) % 3 == 0  # on 2 ranks, step 1 uses it nowhere
+
+
+# Bucket counts of the MLP (5 -> 32 -> 32 -> 2; gradients of 640, 128, 4096, 128, 256 and 8
+# bytes in registration order) and of Tricky, and the buckets they should give.
+MLP_CAPS = {
+    25.0: [["fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]],
+    4500 * B: [["fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"]],
+    # smaller than fc2.weight (4096 bytes), which gets a bucket of its own
+    300 * B: [
+        ["fc3.bias", "fc3.weight"],
+        ["fc2.bias"],
+        ["fc2.weight"],
+        ["fc1.bias"],
+        ["fc1.weight"],
+    ],
+}
+# Tricky's trainable gradients: inp.weight 160 B, inp.bias 32, mid.weight 256, out 64 and 8
+TRICKY_CAPS = {
+    25.0: [["out.bias", "out.weight", "mid.weight", "inp.bias", "inp.weight"]],
+    0.0: [["out.bias"], ["out.weight"], ["mid.weight"], ["inp.bias"], ["inp.weight"]],
+    100 * B: [["out.bias", "out.weight"], ["mid.weight"], ["inp.bias"], ["inp.weight"]],
+}
+
+
+def batches(world: int, rank: int, per_rank_micro: int = 1):
+    """STEPS global batches of BATCH * per_rank_micro samples: (whole batch, this rank's shard)."""
+    n = BATCH * per_rank_micro
+    x, y = data.random_regression(num_samples=STEPS * n).tensors
+    for s in range(STEPS):
+        xs, ys = x[s * n : (s + 1) * n], y[s * n : (s + 1) * n]
+        yield (xs, ys), (xs.chunk(world)[rank], ys.chunk(world)[rank])
+
+
+def wrap(kind: str, model: nn.Module, cap=None, overlap=True):
+    if kind == "step 2":
+        ddp.broadcast_parameters(model)
+        return model
+    if kind == "step 3":
+        return ddp.PerParameterDDP(model)
+    if kind == "DDP":
+        return ddp.DDP(model, bucket_cap_mb=cap, overlap=overlap)
+    if kind == "torch DDP":
+        return nn.parallel.DistributedDataParallel(model, find_unused_parameters=cap == "unused")
+    if kind == "no sync":
+        return model
+    raise ValueError(kind)
+
+
+def synchronise(kind: str, wrapped: nn.Module) -> None:
+    if kind == "step 2":
+        ddp.all_reduce_gradients(wrapped)
+    elif kind in ("step 3", "DDP"):
+        wrapped.finish_gradient_synchronization()
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def compare(what: str, got: dict, want: dict, failures: list, rtol=RTOL, atol=ATOL) -> float:
+    worst = 0.0
+    for name in want:
+        diff = (got[name] - want[name]).abs().max().item() if want[name].numel() else 0.0
+        worst = max(worst, diff)
+        if not torch.allclose(got[name], want[name], rtol=rtol, atol=atol):
+            failures.append(
+                f"rank {dist.get_rank()} of {dist.get_world_size()}: {what}: {name} "
+                f"differs from the reference by {diff:.3g}"
+            )
+    return worst
+
+
+def train_plain(make, kind: str, cap=None, overlap=True) -> tuple[dict, nn.Module]:
+    """STEPS SGD steps on this rank's shards; the model was seeded differently on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(100 + rank)
+    model = make(rank)
+    wrapped = wrap(kind, model, cap, overlap)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for _, (x, y) in batches(world, rank):
+        loss = F.mse_loss(wrapped(x), y)
+        opt.zero_grad()
+        loss.backward()
+        synchronise(kind, wrapped)
+        opt.step()
+    return params_of(model), wrapped
+
+
+def reference_plain(make) -> dict:
+    torch.manual_seed(100)  # rank 0's seed: DDP starts every rank from rank 0's model
+    model = make(0)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for (x, y), _ in batches(dist.get_world_size(), 0):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return params_of(model)
+
+
+def bucket_names(wrapped: ddp.DDP) -> list[list[str]]:
+    names = {p: n for n, p in wrapped.module.named_parameters()}
+    return [[names[p] for p in b.params] for b in wrapped.buckets]
+
+
+def check_plain_models(failures: list, worst: dict) -> None:
+    models_and_caps = {
+        "MLP": (lambda rank: models.MLP(), MLP_CAPS),
+        "Tricky": (lambda rank: Tricky(scale=1.0 + rank), TRICKY_CAPS),
+    }
+    for model_name, (make, caps) in models_and_caps.items():
+        want = reference_plain(make)
+        unsynced, _ = train_plain(make, "no sync")
+        if dist.get_rank() > 0:  # rank 0 starts from the reference's weights; the others do not
+            lost = []
+            compare("no synchronisation", unsynced, want, lost)
+            diff = max((unsynced[n] - want[n]).abs().max().item() for n in want)
+            if diff < 100 * ATOL:
+                failures.append(
+                    f"{model_name}: training without synchronisation is only {diff:.2g} away "
+                    "from the reference: the comparison cannot fail"
+                )
+        runs = [("step 2", None, True), ("step 3", None, True), ("torch DDP", None, True)]
+        runs += [("DDP", cap, overlap) for cap in caps for overlap in (True, False)]
+        for kind, cap, overlap in runs:
+            what = f"{model_name}, {kind}" + (
+                f", cap {cap * ddp.MB:g} B, overlap={overlap}" if kind == "DDP" else ""
+            )
+            got, wrapped = train_plain(make, kind, cap, overlap)
+            worst[what] = compare(what, got, want, failures)
+            if kind == "DDP" and bucket_names(wrapped) != caps[cap]:
+                failures.append(f"{what}: buckets {bucket_names(wrapped)}, expected {caps[cap]}")
+            if kind == "DDP":
+                module = wrapped.module
+                for name, buf in module.named_buffers():  # rank 0's buffer everywhere
+                    if not torch.equal(buf, make(0).get_buffer(name)):
+                        failures.append(f"{what}: buffer {name} is {buf.tolist()}, not rank 0's")
+                if list(module.state_dict()) != list(make(0).state_dict()):
+                    failures.append(f"{what}: the wrapped module's state_dict keys changed")
+                if [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]:
+                    failures.append(f"{what}: a trainable parameter has no gradient")
+                if module.frozen.weight.grad is not None if model_name == "Tricky" else False:
+                    failures.append(f"{what}: the frozen layer got a gradient")
+
+
+def check_unused_parameters(failures: list, worst: dict) -> None:
+    """Branchy uses `extra` on some ranks in some steps: every rank must agree and nobody hang.
+    (PerParameterDDP, step 3, is left out on purpose: its all-reduces start in the order the
+    gradients arrive, which differs between ranks whose graphs differ. Fixing the launch order
+    is one of the things buckets do.)"""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = data.random_regression(num_samples=STEPS * BATCH).tensors
+    torch.manual_seed(7)
+    ref = Branchy()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for s in range(STEPS):  # the mean of the ranks' losses, each with its own branch
+        xs = x[s * BATCH : (s + 1) * BATCH].chunk(world)
+        ys = y[s * BATCH : (s + 1) * BATCH].chunk(world)
+        loss = sum(F.mse_loss(ref(xs[r], uses_extra(s, r)), ys[r]) for r in range(world)) / world
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    want = params_of(ref)
+    runs = [("step 2", None, True), ("torch DDP", "unused", True)]
+    runs += [("DDP", cap, ov) for cap in (0.0, 25.0) for ov in (True, False)]
+    for kind, cap, overlap in runs:
+        torch.manual_seed(7)
+        model = Branchy()
+        wrapped = wrap(kind, model, cap, overlap)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for s in range(STEPS):
+            xs = x[s * BATCH : (s + 1) * BATCH].chunk(world)[rank]
+            ys = y[s * BATCH : (s + 1) * BATCH].chunk(world)[rank]
+            opt.zero_grad()
+            F.mse_loss(wrapped(xs, uses_extra(s, rank)), ys).backward()
+            synchronise(kind, wrapped)
+            opt.step()
+        what = f"unused parameters, {kind}" + (
+            f", cap {cap}, overlap={overlap}" if cap != "unused" and cap is not None else ""
+        )
+        worst[what] = compare(what, params_of(model), want, failures)
+
+
+def check_no_sync(failures: list, worst: dict) -> None:
+    """Three micro-batches per step, the first two inside no_sync(): equals one large batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = 3
+    torch.manual_seed(3)
+    ref = models.MLP()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for (x, y), _ in batches(world, rank, micro):
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+    want = params_of(ref)
+    for kind, overlap in [("DDP", True), ("DDP", False), ("torch DDP", True)]:
+        torch.manual_seed(3)
+        model = models.MLP()
+        wrapped = wrap(kind, model, 300 * B, overlap)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for _, (x, y) in batches(world, rank, micro):
+            opt.zero_grad()
+            for k, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+                ctx = wrapped.no_sync() if k < micro - 1 else contextlib.nullcontext()
+                with ctx:
+                    (F.mse_loss(wrapped(xm), ym) / micro).backward()
+            synchronise(kind, wrapped)
+            opt.step()
+        what = f"no_sync accumulation, {kind}, overlap={overlap}"
+        worst[what] = compare(what, params_of(model), want, failures)
+
+
+def check_buffers_like_torch(failures: list, worst: dict) -> None:
+    """ConvNetBN in training mode: with broadcast_buffers, parameters and BatchNorm's running
+    statistics on every rank equal torch's DDP's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = data.random_images(num_samples=64).tensors
+    results = {}
+    for kind in ("DDP", "torch DDP"):
+        torch.manual_seed(11 + rank)
+        model = models.ConvNetBN()
+        wrapped = wrap(kind, model, 25.0)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for s in range(3):
+            xs = x[s * 16 : (s + 1) * 16].chunk(world)[rank]
+            ys = y[s * 16 : (s + 1) * 16].chunk(world)[rank]
+            opt.zero_grad()
+            F.cross_entropy(wrapped(xs), ys).backward()
+            synchronise(kind, wrapped)
+            opt.step()
+        results[kind] = {**params_of(model), **{n: b.clone() for n, b in model.named_buffers()}}
+    worst["ConvNetBN, DDP vs torch DDP"] = compare(
+        "ConvNetBN parameters and buffers, DDP vs torch DDP",
+        results["DDP"],
+        {k: v.float() if v.is_floating_point() else v for k, v in results["torch DDP"].items()},
+        failures,
+    )
+
+
+def equivalence_on_rank() -> tuple[list[str], dict]:
+    failures: list[str] = []
+    worst: dict[str, float] = {}
+    check_plain_models(failures, worst)
+    check_unused_parameters(failures, worst)
+    check_no_sync(failures, worst)
+    check_buffers_like_torch(failures, worst)
+    return failures, worst
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_variant_equals_single_process_and_torch_ddp(world):
+    results = run_ranks(equivalence_on_rank, world, timeout=240)
+    failures = [f for fs, _ in results for f in fs]
+    assert not failures, "\n".join(failures[:20])
+    worst = max(max(w.values()) for _, w in results)
+    assert worst < ATOL  # what the docstring says we see
+
+
+def misuse_on_rank() -> dict[str, str]:
+    """Every misuse the same way on every rank, so that nobody waits for the others."""
+    rank = dist.get_rank()
+    found = {}
+
+    def message(fn):
+        try:
+            fn()
+        except (RuntimeError, ValueError) as exc:
+            return str(exc)
+        return "no error"
+
+    found["different models"] = message(lambda: ddp.DDP(nn.Linear(4, 4 + rank)))
+    wrapped = ddp.DDP(models.MLP(), bucket_cap_mb=0)
+    x, y = torch.randn(4, 5), torch.randn(4, 2)
+    with wrapped.no_sync():
+        F.mse_loss(wrapped(x), y).backward()
+        found["finish inside no_sync"] = message(wrapped.finish_gradient_synchronization)
+    F.mse_loss(wrapped(x), y).backward()
+    found["forward before finish"] = message(lambda: wrapped(x))
+    loss = F.mse_loss(wrapped.module(x), y)
+    found["backward twice"] = message(loss.backward)
+    wrapped.finish_gradient_synchronization()  # still usable: every bucket is sent and waited for
+    found["after recovery"] = message(lambda: F.mse_loss(wrapped(x), y).backward())
+    wrapped.finish_gradient_synchronization()
+    return found
+
+
+def test_misuse_gives_clear_errors():
+    found = run_ranks(misuse_on_rank, 2, timeout=120)
+    for f in found:
+        assert "the ranks wrap different models" in f["different models"]
+        assert "inside ddp.no_sync()" in f["finish inside no_sync"]
+        assert "call ddp.finish_gradient_synchronization()" in f["forward before finish"]
+        assert "received its gradient twice" in f["backward twice"]
+        assert f["after recovery"] == "no error"
+
+
+def test_errors_without_a_process_group_or_on_several_devices():
+    assert not dist.is_initialized()
+    for make in (
+        lambda: ddp.DDP(models.MLP()),
+        lambda: ddp.PerParameterDDP(models.MLP()),
+        lambda: ddp.broadcast_parameters(models.MLP()),
+        lambda: ddp.all_reduce_gradients(models.MLP()),
+    ):
+        with pytest.raises(RuntimeError, match="needs a process group.*run_ranks"):
+            make()
+    model = models.MLP()
+    model.fc3.to("meta")
+    with pytest.raises(ValueError, match="one device.*fc3.weight on meta.*module.to"):
+        ddp.DDP(model)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be 0 or more"):
+        ddp.DDP(models.MLP(), bucket_cap_mb=-1)
+    with pytest.raises(TypeError, match="wraps an nn.Module"):
+        ddp.DDP(lambda x: x)
+
+
+def test_bucket_assignment():
+    assert ddp.bucket_assignment([], 10) == []
+    assert ddp.bucket_assignment([4, 4, 4], 100) == [[2, 1, 0]]
+    assert ddp.bucket_assignment([4, 4, 4], 0) == [[2], [1], [0]]
+    assert ddp.bucket_assignment([4, 4, 4], 8) == [[2, 1], [0]]
+    # a parameter larger than the cap is alone; its neighbours start new buckets
+    assert ddp.bucket_assignment([1, 50, 1, 1], 8) == [[3, 2], [1], [0]]
+    with pytest.raises(ValueError, match="0 or more bytes"):
+        ddp.bucket_assignment([1], -1)
+
+
+def timeline_on_rank() -> list:
+    torch.manual_seed(0)
+    out = []
+    for overlap in (True, False):
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+        wrapped = ddp.DDP(model, bucket_cap_mb=64 * 65 * 4 * B, overlap=overlap)  # one per layer
+        x = torch.randn(32, 64)
+        timeline = ddp.timed_backward(wrapped, wrapped(x).square().mean())
+        out.append((overlap, len(wrapped.buckets), timeline))
+    return out
+
+
+def test_timeline_shows_launches_during_backward_only_with_overlap():
+    for overlap, n, t in run_ranks(timeline_on_rank, 2, timeout=120)[0]:
+        assert [b.index for b in t.buckets] == list(range(n)) and n == 6
+        for b in t.buckets:
+            assert 0 <= b.launched_s <= b.completed_s <= t.finished_s + 1e-3
+            # the hook runs inside backward, so with overlap every launch precedes its end
+            assert (b.launched_s < t.backward_s) == overlap
+        assert t.buckets[0].nbytes == 64 * 65 * 4
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, 5, 10, 11])
+def test_epoch_indices_equal_distributed_sampler(world, n):
+    from torch.utils.data import DistributedSampler
+
+    for epoch in (0, 1, 3):
+        for shuffle in (True, False):
+            for rank in range(world):
+                sampler = DistributedSampler(
+                    range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=5
+                )
+                sampler.set_epoch(epoch)
+                assert ddp.epoch_indices(n, world, rank, epoch, seed=5, shuffle=shuffle) == list(
+                    sampler
+                )
