@@ -197,3 +197,95 @@ def test_estimate_is_the_same_in_eval_mode_and_skips_frozen_parameters():
     trainable_bytes = 4 * (MLP_PARAMS - (5 * 32 + 32))
     assert frozen.parameters == 4 * MLP_PARAMS
     assert frozen.gradients == frozen.optimizer_state == trainable_bytes
+
+
+# ------------------------------------------------------------ chapter 9: per rank, ZeRO stages
+def paper_rounding(gb: float) -> str:
+    """How Table 1 of the ZeRO paper prints GB: three significant figures, at most two decimals,
+    halves rounded up (41.25 -> 41.3), trailing zeros dropped (7.50 -> 7.5)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    d = Decimal(repr(gb))
+    digits = min(2, max(0, 2 - d.adjusted()))  # 3 significant figures, at most 2 decimals
+    text = str(d.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def test_zero_table_matches_the_papers_table_1():
+    # Rajbhandari et al. 2020, Table 1: Psi = 7.5B, K = 12, GB = 1e9 bytes per device,
+    # columns P_os, P_os+g, P_os+g+p.
+    published = {
+        1: ("120", "120", "120"),
+        4: ("52.5", "41.3", "30"),
+        16: ("35.6", "21.6", "7.5"),
+        64: ("31.4", "16.6", "1.88"),
+        256: ("30.4", "15.4", "0.47"),
+        1024: ("30.1", "15.1", "0.12"),
+    }
+    rows = memory.zero_table(7_500_000_000, list(published))
+    for row in rows:
+        assert row["dp"] == 120 * 10**9
+        got = tuple(paper_rounding(row[c] / 1e9) for c in ("os", "os+g", "os+g+p"))
+        assert got == published[row["N"]], row["N"]
+    assert paper_rounding(41.25) == "41.3" and paper_rounding(0.1171875) == "0.12"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7, 64, 1000])
+@pytest.mark.parametrize("psi", [0, 1, 999, 7_500_000_000, 70_000_000_001])
+def test_memory_per_rank_mixed_adam_is_the_zero_formula(world, psi):
+    for stage in range(4):
+        parts = memory.memory_per_rank(psi, world, stage, "mixed", "adam")
+        formula = memory.zero_memory_per_rank(psi, world, stage)
+        assert formula <= parts.total <= formula + 2  # each sharded part rounds up on its own
+        if psi % world == 0:
+            assert parts.total == formula
+        assert parts.activations == 0
+
+
+def test_memory_per_rank_parts_and_dtype_mixes():
+    psi, n = 1000, 4
+    fp32 = memory.memory_per_rank(psi, 1, 0, "fp32", "adam")
+    # the same bookkeeping as chapter 1's will_it_fit (fp32 Adam: 4 + 4 + 8 bytes)
+    plain = memory.will_it_fit(psi, 10**9)[1]
+    assert (fp32.parameters, fp32.gradients, fp32.optimizer_state) == (
+        plain.parameters, plain.gradients, plain.optimizer_state)
+    mixed = [memory.memory_per_rank(psi, n, s, "mixed", activation_bytes=7) for s in range(4)]
+    assert [(m.parameters, m.gradients, m.optimizer_state) for m in mixed] == [
+        (2000, 2000, 12000), (2000, 2000, 3000), (2000, 500, 3000), (500, 500, 3000)]
+    assert all(m.activations == 7 for m in mixed)  # ZeRO does not shard activations
+    assert memory.PRECISIONS["mixed"].k() == 12 and memory.PRECISIONS["fp32"].k() == 8
+    assert memory.PRECISIONS["mixed"].k("sgd_momentum") == 8
+    bf16_sgd = memory.memory_per_rank(psi, 1, 0, "bf16", "sgd")
+    assert bf16_sgd.total == 4 * psi
+    custom = memory.Precision("fp8 weights", 1, 2, 4, 4)
+    assert memory.memory_per_rank(psi, 2, 1, custom).total == 1000 + 2000 + 12000 // 2
+    with pytest.raises(ValueError, match="precision must be one of"):
+        memory.memory_per_rank(psi, 2, 1, "fp64")
+    for bad in [(psi, 0, 1), (psi, 2, 4), (-1, 2, 1)]:
+        with pytest.raises(ValueError):
+            memory.memory_per_rank(*bad)
+
+
+def test_will_it_fit_sharded_for_well_known_models():
+    gib = 2**30
+    # Llama-2 7B with mixed-precision Adam: 112 GB on one GPU, not even an 80 GB one ...
+    assert not memory.will_it_fit_sharded(7_000_000_000, 80 * gib, 1, 0)[0]
+    # ... but 8 GPUs of 24 GB at stage 3 (14 GB each), or 8 of 40 GB at stage 1 (38.5 GB)
+    assert memory.will_it_fit_sharded(7_000_000_000, 24 * gib, 8, 3)[0]
+    fits, need = memory.will_it_fit_sharded(7_000_000_000, 40 * gib, 8, 1)
+    assert fits and need.total == 4 * 7 * 10**9 + 12 * 7 * 10**9 // 8 and "fits" in need.note
+    # GPT-2 1.5B: 24e9 bytes of states fit in 24 GiB (25.8e9) with little to spare for
+    # activations, not in 16 GiB; there stage 1 on 2 GPUs is enough (6e9 + 9e9 bytes)
+    assert memory.will_it_fit_sharded(1_500_000_000, 24 * gib, 1, 0)[0]
+    assert not memory.will_it_fit_sharded(1_500_000_000, 16 * gib, 1, 0)[0]
+    assert memory.min_world_size(1_500_000_000, 16 * gib, 1) == 2
+    # Llama-2 70B: its fp16 weights and gradients alone (280 GB) exceed 80 GB, so only stage
+    # 3 helps: 16 x 70e9 / N <= 80 GiB from N = 14 on
+    assert memory.min_world_size(70_000_000_000, 80 * gib, 1) is None
+    assert memory.min_world_size(70_000_000_000, 80 * gib, 2) is None
+    assert memory.min_world_size(70_000_000_000, 80 * gib, 3) == 14
+    assert memory.min_world_size(7_000_000_000, 80 * gib, 1) == 2
+    assert memory.min_world_size(1_500_000_000, 16 * gib, 0) is None
+    assert memory.min_world_size(100, 10**9, 0) == 1
+    with pytest.raises(ValueError):
+        memory.will_it_fit_sharded(100, 0, 1, 0)
