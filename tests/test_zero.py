@@ -296,3 +296,35 @@ def test_shard_bounds_and_owner_of_reject_bad_input():
         shard_bounds(-1, 2, 0)
     with pytest.raises(IndexError):
         owner_of(10, 10, 2)
+
+
+def test_benchmark_runs_and_reports_state_at_one_nth(tmp_path, capsys):
+    import json
+
+    from dpcourse import bench
+
+    out = tmp_path / "zero.json"
+    argv = [
+        "zero",
+        "--world-sizes",
+        "2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--width",
+        "16",
+        "--out-features",
+        "7",
+        "--json",
+        str(out),
+    ]
+    assert bench.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["num_params"] == 3 * (16 * 16 + 16) + 16 * 7 + 7  # 935: odd
+    rows = {r["variant"]: r for r in record["rows"]}
+    assert rows["ZeroRedundancyOptimizer"]["over_zero_redundancy"] == 1.0
+    # Adam: 2 x 4 bytes per element; ours one step counter per rank, unsharded one per tensor
+    assert rows["ShardedOptimizer"]["state_bytes_per_rank"] == [8 * 468 + 4, 8 * 467 + 4]
+    assert rows["DDP + Adam"]["state_bytes_per_rank"] == [8 * 935 + 8 * 4] * 2
+    assert "/ZeRO-torch" in capsys.readouterr().out

@@ -1,0 +1,181 @@
+"""``python -m dpcourse.bench zero``: ShardedOptimizer against ZeroRedundancyOptimizer and DDP.
+
+Three ways to train the same model with Adam on N ranks, side by side (chapter 9):
+
+* ``DDP + Adam``: ``torch.nn.parallel.DistributedDataParallel`` and an unsharded
+  ``torch.optim.Adam`` on every rank (plain data parallelism);
+* ``ZeroRedundancyOptimizer``: torch's DDP and ``torch.distributed.optim.ZeroRedundancyOptimizer``
+  (each rank steps whole tensors, then broadcasts them);
+* ``ShardedOptimizer``: :class:`dpcourse.zero.ShardedOptimizer` alone (our ring reduce-scatter,
+  a step of this rank's flat shard, our ring all-gather); ``stage 2`` as well.
+
+Each training step (zero_grad, forward, backward, optimizer step) starts after a barrier and
+counts as long as its slowest rank; the variants take turns (interleaved), and the table shows
+medians, the ratio to ``ZeroRedundancyOptimizer`` and to ``DDP + Adam``, and the optimizer-state
+bytes per rank (measured: the tensors in the optimizer's state) as a fraction of the unsharded
+state. The default model is an MLP of 4 layers of width 1024 whose last layer has 1001 outputs,
+so that the parameter count (4,174,825) divides by neither 2 nor 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+HELP = "ShardedOptimizer step time vs ZeroRedundancyOptimizer and DDP + Adam; state bytes/rank"
+
+VARIANTS = ("DDP + Adam", "ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--out-features", type=int, default=1001)
+
+
+def _model(width: int, out_features: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, out_features),
+    )  # fmt: skip
+
+
+def _make(name: str, model):
+    """(module to call, optimizer, the optimizer whose state is this rank's) for a variant."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dpcourse.zero import ShardedOptimizer
+
+    if name == "DDP + Adam":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        return DistributedDataParallel(model), opt, opt
+    if name == "ZeroRedundancyOptimizer":
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
+        return DistributedDataParallel(model), opt, opt.optim
+    if name.startswith("ShardedOptimizer"):
+        stage = 2 if name.endswith("s2") else 1
+        opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=1e-4)
+        return model, opt, opt
+    raise ValueError(f"unknown variant {name!r}; the variants are {VARIANTS}")
+
+
+def time_on_rank(
+    variants: tuple[str, ...], repeats: int, warmup: int, batch: int, width: int, out: int
+) -> dict:
+    """Runs on every rank: step times (slowest rank) per variant, interleaved, and this rank's
+    optimizer-state bytes per variant."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from dpcourse import runtime
+    from dpcourse.zero import optimizer_state_bytes
+
+    rank, device = dist.get_rank(), runtime.device()
+    base = _model(width, out).to(device)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randn(batch, out, generator=g).to(device)
+    runs = [(name, *_make(name, copy.deepcopy(base))) for name in variants]
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    slowest = torch.zeros(len(runs), dtype=torch.float64)
+    for i in range(warmup + repeats):
+        for k, (_, module, opt, _) in enumerate(runs):
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(module(x), y).backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            slowest[k] = time.perf_counter() - t0
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            for k, name in enumerate(variants):
+                times[name].append(float(slowest[k]))
+    # the trained copies must agree (they saw the same data): a benchmark of a wrong
+    # implementation would be meaningless
+    ref = list(runs[0][1].parameters())
+    for name, module, _, _ in runs[1:]:
+        for a, b in zip(ref, module.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=f"{name} diverged")
+    state = {name: optimizer_state_bytes(local) for name, _, _, local in runs}
+    return {"times": times, "state_bytes": state}
+
+
+def bench_zero(
+    world_sizes: list[int], repeats: int, warmup: int, batch: int, width: int, out: int
+) -> dict:
+    from dpcourse.launch import run_ranks
+
+    num_params = 3 * (width * width + width) + width * out + out
+    rows = []
+    for n in world_sizes:
+        per_rank = run_ranks(
+            time_on_rank, n, VARIANTS, repeats, warmup, batch, width, out, timeout=1800
+        )
+        times = per_rank[0]["times"]
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        unsharded = per_rank[0]["state_bytes"]["DDP + Adam"]
+        for name in VARIANTS:
+            states = [r["state_bytes"][name] for r in per_rank]
+            rows.append(
+                {
+                    "world_size": n,
+                    "variant": name,
+                    "median_s": medians[name],
+                    "over_zero_redundancy": medians[name] / medians["ZeroRedundancyOptimizer"],
+                    "over_ddp_adam": medians[name] / medians["DDP + Adam"],
+                    "state_bytes_per_rank": states,
+                    "max_state_over_unsharded": max(states) / unsharded,
+                }
+            )
+    return {
+        "num_params": num_params,
+        "batch_per_rank": batch,
+        "repeats": repeats,
+        "model": f"MLP {width}-{width}-{width}-{width}-{out}",
+        "rows": rows,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    return bench_zero(
+        args.world_sizes, args.repeats, args.warmup, args.batch, args.width, args.out_features
+    )
+
+
+def report(result: dict) -> None:
+    print(
+        f"Adam on {result['model']} ({result['num_params']:,} parameters), batch "
+        f"{result['batch_per_rank']} per rank; median step of {result['repeats']} interleaved "
+        "(slowest rank); ratios: lower is faster; state: the largest rank's optimizer-state "
+        "bytes as a fraction of the unsharded state (1/N is ideal)"
+    )
+    print(
+        f"{'N':>2} {'variant':<24} {'median':>9} {'/ZeRO-torch':>11} {'/DDP+Adam':>9} "
+        f"{'state/rank':>11} {'x N':>6}"
+    )
+    for r in result["rows"]:
+        n = r["world_size"]
+        print(
+            f"{n:>2} {r['variant']:<24} {r['median_s'] * 1e3:>7.1f}ms "
+            f"{r['over_zero_redundancy']:>11.3f} {r['over_ddp_adam']:>9.3f} "
+            f"{r['max_state_over_unsharded']:>11.4f} {r['max_state_over_unsharded'] * n:>6.3f}"
+        )
