@@ -239,7 +239,12 @@ def _train_on_ranks(directory, total_steps, save_at, resume, restore_rng=True, s
             step += 1
             if step == save_at:
                 C.save_checkpoint(
-                    directory, step, model, opt, progress={"epoch": epoch}, sharded_optimizer=sharded
+                    directory,
+                    step,
+                    model,
+                    opt,
+                    progress={"epoch": epoch},
+                    sharded_optimizer=sharded,
                 )
             if step == total_steps:
                 break
