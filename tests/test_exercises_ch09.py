@@ -1,0 +1,150 @@
+"""Chapter 9's checks: the references pass; plausible wrong answers fail, saying why."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from dpcourse import memory, zero
+from dpcourse.exercises import ch09, run_check
+
+
+def remainder_to_last(numel, world_size, rank):
+    k = numel // world_size
+    return rank * k, numel if rank == world_size - 1 else (rank + 1) * k
+
+
+def ceil_slices(numel, world_size, rank):
+    k = -(-numel // world_size)
+    return min(rank * k, numel), min((rank + 1) * k, numel)
+
+
+def ceil_slices_past_the_end(numel, world_size, rank):
+    k = -(-numel // world_size)
+    return rank * k, (rank + 1) * k
+
+
+def test_shard_bounds_check():
+    assert run_check("ex-9-shard-bounds", zero.shard_bounds).passed
+    result = run_check("ex-9-shard-bounds", remainder_to_last)
+    assert not result.passed and "whole remainder" in result.message
+    assert "numel=10, world_size=4, rank 0: expected (0, 3), got (0, 2)" in result.message
+    result = run_check("ex-9-shard-bounds", ceil_slices)
+    assert not result.passed and "differ by at most one element" in result.message
+    result = run_check("ex-9-shard-bounds", ceil_slices_past_the_end)
+    assert not result.passed and "run past the end" in result.message
+    result = run_check("ex-9-shard-bounds", lambda n, w, r: None)
+    assert not result.passed and "expected a pair (start, end)" in result.message
+
+
+def test_owner_check():
+    assert run_check("ex-9-owner", zero.owner_of).passed
+    result = run_check("ex-9-owner", lambda i, n, w: i * w // n)
+    assert not result.passed and "Proportional ownership" in result.message
+    result = run_check("ex-9-owner", lambda i, n, w: i // -(-n // w))
+    assert not result.passed and "one element shorter" in result.message
+    assert "element 8 of 10 on 4 ranks: expected rank 3, got 2" in result.message
+
+
+def test_zero_memory_check():
+    assert run_check("ex-9-memory", memory.zero_memory_per_rank).passed
+    # floats are fine: the formula with / instead of integer division
+    exact = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
+
+    def with_floats(psi, n, stage, k=12):
+        replicated, sharded = exact[stage]
+        return replicated * psi + sharded * psi / n
+
+    assert run_check("ex-9-memory", with_floats).passed
+
+    def forgets_fp16_params(psi, n, stage, k=12):
+        return memory.zero_memory_per_rank(psi, n, stage, k) - (2 * psi if stage in (1, 2) else 0)
+
+    result = run_check("ex-9-memory", forgets_fp16_params)
+    assert not result.passed and "2Ψ short" in result.message
+
+    def stage2_is_stage1(psi, n, stage, k=12):
+        return memory.zero_memory_per_rank(psi, n, 1 if stage == 2 else stage, k)
+
+    result = run_check("ex-9-memory", stage2_is_stage1)
+    assert not result.passed and "stage 2 shards the gradients" in result.message
+
+    def k_sixteen(psi, n, stage, k=12):
+        return memory.zero_memory_per_rank(psi, n, stage, 16)
+
+    result = run_check("ex-9-memory", k_sixteen)
+    assert not result.passed and "master weights" in result.message
+    assert "expected 120,000,000,000 bytes, got 150,000,000,000" in result.message
+
+
+def _gather(flat_params):
+    """All-gather the shards in place, one broadcast per owner (simple, not fast)."""
+    world = dist.get_world_size()
+    for owner in range(world):
+        s, e = zero.shard_bounds(flat_params.numel(), world, owner)
+        if e > s:
+            piece = flat_params[s:e].clone()
+            dist.broadcast(piece, src=owner)
+            flat_params[s:e] = piece
+
+
+def reference_sharded_step(flat_params, flat_grad, step_fn):
+    from dpcourse.collectives import ring_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, end = zero.shard_bounds(flat_params.numel(), world, rank)
+    step_fn(flat_params[start:end], ring_reduce_scatter(flat_grad, op="mean"))
+    _gather(flat_params)
+
+
+def sum_not_mean(flat_params, flat_grad, step_fn):
+    from dpcourse.collectives import ring_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, end = zero.shard_bounds(flat_params.numel(), world, rank)
+    step_fn(flat_params[start:end], ring_reduce_scatter(flat_grad, op="sum"))
+    _gather(flat_params)
+
+
+def no_all_gather(flat_params, flat_grad, step_fn):
+    from dpcourse.collectives import ring_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, end = zero.shard_bounds(flat_params.numel(), world, rank)
+    step_fn(flat_params[start:end], ring_reduce_scatter(flat_grad, op="mean"))
+
+
+def whole_tensor_step(flat_params, flat_grad, step_fn):
+    from dpcourse.collectives import ring_all_reduce
+
+    step_fn(flat_params, ring_all_reduce(flat_grad, op="mean"))
+
+
+@pytest.fixture
+def short_timeouts(monkeypatch):
+    monkeypatch.setattr(ch09, "RANK_TIMEOUT", 20.0)
+
+
+def test_sharded_step_check(short_timeouts):
+    assert run_check("ex-9-sharded-step", reference_sharded_step).passed
+    result = run_check("ex-9-sharded-step", sum_not_mean)
+    assert not result.passed and "divide by the world size" in result.message
+    result = run_check("ex-9-sharded-step", no_all_gather)
+    assert not result.passed and "all-gather the updated shards" in result.message
+    result = run_check("ex-9-sharded-step", whole_tensor_step)
+    assert not result.passed and "That is the whole tensor" in result.message
+
+
+def test_sharded_step_check_reports_a_raising_rank(short_timeouts):
+    def raises(flat_params, flat_grad, step_fn):
+        raise ValueError("oops")
+
+    result = run_check("ex-9-sharded-step", raises)
+    assert not result.passed and "ValueError: oops" in result.message
+
+
+def test_sharded_step_not_attempted():
+    def stub(flat_params, flat_grad, step_fn):
+        raise NotImplementedError("write it")
+
+    assert run_check("ex-9-sharded-step", stub).status == "not attempted"
