@@ -1,0 +1,136 @@
+"""Chapter 10's checks: the references pass; plausible wrong answers fail, saying why."""
+
+from __future__ import annotations
+
+from dpcourse import costmodel, scaling
+from dpcourse.exercises import run_check
+
+
+def _ring(n, nbytes, alpha, beta):
+    return costmodel.predict("ring", n, nbytes, alpha, beta)
+
+
+# ------------------------------------------------------------------------------- step time
+def test_step_time_check():
+    assert run_check("ex-10-step-time", scaling.step_time).passed
+
+    def no_overlap(n, c, b, a, beta, o):
+        return c + _ring(n, b, a, beta)
+
+    result = run_check("ex-10-step-time", no_overlap)
+    assert not result.passed and "the overlap is ignored" in result.message
+    assert "N=64" in result.message and "expected" in result.message
+
+    def overlap_times_comm(n, c, b, a, beta, o):
+        return c + (1 - o) * _ring(n, b, a, beta)
+
+    result = run_check("ex-10-step-time", overlap_times_comm)
+    assert not result.passed and "it is overlap x compute" in result.message
+
+    def no_max(n, c, b, a, beta, o):
+        return c + _ring(n, b, a, beta) - o * c
+
+    result = run_check("ex-10-step-time", no_max)
+    assert not result.passed and "never shorter than its compute" in result.message
+
+    def naive_volume(n, c, b, a, beta, o):
+        return c + max(0.0, costmodel.predict("naive", n, b, a, beta) - o * c)
+
+    result = run_check("ex-10-step-time", naive_volume)
+    assert not result.passed and "naive all-reduce" in result.message
+
+    def one_phase(n, c, b, a, beta, o):
+        return c + max(0.0, (n - 1) * a + (n - 1) / n * b / beta - o * c)
+
+    result = run_check("ex-10-step-time", one_phase)
+    assert not result.passed and "that is one phase" in result.message
+
+    result = run_check("ex-10-step-time", lambda *args: "fast")
+    assert not result.passed and "got 'fast'" in result.message
+
+
+# ------------------------------------------------------------------------ largest N at 90%
+def reference_largest(target, c, b, a, beta, o):
+    return scaling.largest_world_size(
+        target, lambda n: scaling.efficiency(n, c, b, a, beta, o), limit=100_000
+    )
+
+
+def test_largest_world_size_check():
+    assert run_check("ex-10-largest-n", reference_largest).passed
+
+    def loop(target, c, b, a, beta, o):  # the plain loop a learner writes passes too
+        n = 1
+        while n < 100_000 and scaling.efficiency(n + 1, c, b, a, beta, o) >= target:
+            n += 1
+        return n
+
+    assert run_check("ex-10-largest-n", loop).passed
+
+    def first_below(target, c, b, a, beta, o):
+        return reference_largest(target, c, b, a, beta, o) + 1
+
+    result = run_check("ex-10-largest-n", first_below)
+    assert not result.passed and "the first N below the target" in result.message
+
+    def powers_of_two(target, c, b, a, beta, o):
+        n = 1
+        while scaling.efficiency(2 * n, c, b, a, beta, o) >= target:
+            n *= 2
+        return n
+
+    result = run_check("ex-10-largest-n", powers_of_two)
+    assert not result.passed and "powers of two" in result.message
+
+    def strong_scaling(target, c, b, a, beta, o):
+        return scaling.largest_world_size(
+            target, lambda n: scaling.efficiency(n, c, b, a, beta, o, mode="strong"), 100_000
+        )
+
+    result = run_check("ex-10-largest-n", strong_scaling)
+    assert not result.passed and "strong-scaling" in result.message
+
+
+# ------------------------------------------------------------------------------ noise scale
+def test_noise_scale_check():
+    def reference(small, big, bs, bb):
+        est = scaling.noise_scale_from_norms(small, big, bs, bb)
+        return est.g2, est.trace
+
+    assert run_check("ex-10-noise-scale", reference).passed
+
+    def biased(small, big, bs, bb):
+        return big, (small - big) / (1 / bs - 1 / bb)
+
+    result = run_check("ex-10-noise-scale", biased)
+    assert not result.passed and "|G_big|^2 is biased" in result.message
+
+    def flipped(small, big, bs, bb):
+        est = scaling.noise_scale_from_norms(small, big, bs, bb)
+        return est.g2, -est.trace
+
+    result = run_check("ex-10-noise-scale", flipped)
+    assert not result.passed and "sign is flipped" in result.message
+
+    def swapped_sizes(small, big, bs, bb):
+        return (bs * big - bb * small) / (bb - bs), (small - big) / (1 / bs - 1 / bb)
+
+    result = run_check("ex-10-noise-scale", swapped_sizes)
+    assert not result.passed and "which batch size multiplies which norm" in result.message
+
+    def ratio_only(small, big, bs, bb):
+        return scaling.noise_scale_from_norms(small, big, bs, bb).b_simple
+
+    result = run_check("ex-10-noise-scale", ratio_only)
+    assert not result.passed and "return both estimates" in result.message
+
+
+# ---------------------------------------------------------------------------- bytes per GPU
+def test_bytes_check():
+    assert run_check("ex-10-bytes", lambda p, n, w: 2 * (n - 1) / n * p * w).passed
+    result = run_check("ex-10-bytes", lambda p, n, w: (n - 1) / n * p * w)
+    assert not result.passed and "one phase" in result.message
+    result = run_check("ex-10-bytes", lambda p, n, w: 2 * p * w)
+    assert not result.passed and "not 2, gradients" in result.message
+    result = run_check("ex-10-bytes", lambda p, n, w: 2 * (n - 1) / n * p * 4)
+    assert not result.passed and "bf16 is 2 bytes" in result.message
