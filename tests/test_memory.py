@@ -200,20 +200,9 @@ def test_estimate_is_the_same_in_eval_mode_and_skips_frozen_parameters():
 
 
 # ------------------------------------------------------------ chapter 9: per rank, ZeRO stages
-def paper_rounding(gb: float) -> str:
-    """How Table 1 of the ZeRO paper prints GB: three significant figures, at most two decimals,
-    halves rounded up (41.25 -> 41.3), trailing zeros dropped (7.50 -> 7.5)."""
-    from decimal import ROUND_HALF_UP, Decimal
-
-    d = Decimal(repr(gb))
-    digits = min(2, max(0, 2 - d.adjusted()))  # 3 significant figures, at most 2 decimals
-    text = str(d.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
-    return text.rstrip("0").rstrip(".") if "." in text else text
-
-
 def test_zero_table_matches_the_papers_table_1():
     # Rajbhandari et al. 2020, Table 1: Psi = 7.5B, K = 12, GB = 1e9 bytes per device,
-    # columns P_os, P_os+g, P_os+g+p.
+    # columns P_os, P_os+g, P_os+g+p; every figure from the formula, rounded as the paper does.
     published = {
         1: ("120", "120", "120"),
         4: ("52.5", "41.3", "30"),
@@ -225,9 +214,13 @@ def test_zero_table_matches_the_papers_table_1():
     rows = memory.zero_table(7_500_000_000, list(published))
     for row in rows:
         assert row["dp"] == 120 * 10**9
-        got = tuple(paper_rounding(row[c] / 1e9) for c in ("os", "os+g", "os+g+p"))
+        got = tuple(memory.format_paper_gb(row[c]) for c in ("os", "os+g", "os+g+p"))
         assert got == published[row["N"]], row["N"]
-    assert paper_rounding(41.25) == "41.3" and paper_rounding(0.1171875) == "0.12"
+    assert memory.format_paper_gb(120 * 10**9) == "120"
+    # the rounding the paper uses: 3 significant figures, at most 2 decimals, halves up
+    assert memory.format_paper_gb(41_250_000_000) == "41.3"  # round() would give 41.2
+    assert memory.format_paper_gb(117_187_500) == "0.12" and memory.format_paper_gb(0) == "0"
+    assert memory.format_paper_gb(1_875_000_000) == "1.88"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 7, 64, 1000])

@@ -43,6 +43,7 @@ __all__ = [
     "zero_table",
     "will_it_fit_sharded",
     "min_world_size",
+    "format_paper_gb",
 ]
 
 # Tensors of optimizer state kept per parameter, by optimizer name.
@@ -560,3 +561,17 @@ def min_world_size(
         else:
             low = mid + 1
     return low
+
+
+def format_paper_gb(num_bytes: int) -> str:
+    """Bytes as the ZeRO paper's Table 1 prints them: GB (1e9 bytes) to three significant
+    figures, at most two decimals, halves rounded up, no trailing zeros (41.25 GB -> "41.3",
+    0.1171875 GB -> "0.12", 7.5 GB -> "7.5"). Chapter 9."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    d = Decimal(num_bytes) / Decimal(10**9)
+    if d == 0:
+        return "0"
+    digits = min(2, max(0, 2 - d.adjusted()))
+    text = str(d.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+    return text.rstrip("0").rstrip(".") if "." in text else text
