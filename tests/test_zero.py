@@ -376,3 +376,26 @@ def test_fsdp2_preview_gathers_twice_and_reduce_scatters_once():
     # each rank keeps only its rows (17 and 16 of fc1's 33): the padding is only in transit
     assert sum(r["local"] for r in per_rank) == 1558 and per_rank[0]["local"] > 1558 // 2
     assert all(r["fsdp_vs_unsharded"] <= ATOL + RTOL for r in per_rank)
+
+
+def _variants_on_rank() -> dict:
+    from dpcourse.zero import train_variants_on_rank
+
+    return train_variants_on_rank(
+        make_model, batch, nn.functional.mse_loss, 5, torch.optim.AdamW, lr=1e-2
+    )
+
+
+def test_train_variants_side_by_side():
+    per_rank = run_ranks(_variants_on_rank, 3, timeout=120)
+    for r in per_rank:
+        ref = r["DDP + Adam"]
+        for name in ("ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2"):
+            torch.testing.assert_close(r[name]["params"], ref["params"], rtol=RTOL, atol=ATOL)
+            assert r[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert ref["losses"][-1] < ref["losses"][0]
+        assert ref["state_bytes"] == 2 * 4 * 71 + 4 * 4
+        assert r["ShardedOptimizer"]["grad_bytes"] == 2 * 4 * 71  # .grad and the flat buffer
+    shards = [e - s for s, e in chunk_bounds(71, 3)]
+    assert [r["ShardedOptimizer s2"]["grad_bytes"] for r in per_rank] == [4 * n for n in shards]
+    assert [r["ShardedOptimizer"]["state_bytes"] for r in per_rank] == [8 * n + 4 for n in shards]

@@ -47,6 +47,9 @@ __all__ = [
     "optimizer_state_bytes",
     "record_collectives",
     "fsdp_step_events",
+    "VARIANTS",
+    "make_variant",
+    "train_variants_on_rank",
 ]
 
 
@@ -262,6 +265,14 @@ class ShardedOptimizer:
         """This rank's shard of each group: flat views of the parameters it updates."""
         return [g.shard for g in self._groups]
 
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradient buffers this optimizer holds (not counting the model's
+        ``.grad``): the flat gradient buffers at stage 1, only the shards at stage 2."""
+        held = [g.grad for g in self._groups if g.grad is not None]
+        if self.stage == 2:
+            held = [g.shard.grad for g in self._groups]
+        return sum(t.nbytes for t in held)
+
     def shard_ranges(self) -> list[tuple[int, int, int]]:
         """(start, end, group numel) of this rank's shard in each group's flat buffer."""
         return [(g.start, g.end, g.numel) for g in self._groups]
@@ -421,3 +432,81 @@ def fsdp_step_events(
         local = sum(p.to_local().numel() for p in model.parameters())
         loss_fn(model(*inputs), target).backward()
     return log, local
+
+
+# ---------------------------------------------------------- side by side (chapter 9, bench)
+VARIANTS = ("DDP + Adam", "ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2")
+
+
+def make_variant(
+    name: str, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
+) -> tuple[nn.Module, Any, Any]:
+    """One way to train ``model`` on every rank of a process group, by ``name``:
+
+    * ``"DDP + Adam"``: torch's ``DistributedDataParallel`` and an unsharded ``optimizer_cls``
+      (plain data parallelism; the name is kept whatever the optimizer);
+    * ``"ZeroRedundancyOptimizer"``: torch's DDP and ``ZeroRedundancyOptimizer(optimizer_cls)``;
+    * ``"ShardedOptimizer"`` / ``"ShardedOptimizer s2"``: :class:`ShardedOptimizer`, stage 1 / 2.
+
+    Returns ``(module to call, optimizer, the optimizer that holds this rank's state)``.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    if name == "DDP + Adam":
+        opt = optimizer_cls(model.parameters(), **kwargs)
+        return DistributedDataParallel(model), opt, opt
+    if name == "ZeroRedundancyOptimizer":
+        zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_cls, **kwargs)
+        return DistributedDataParallel(model), zro, zro.optim
+    if name in ("ShardedOptimizer", "ShardedOptimizer s2"):
+        stage = 2 if name.endswith("s2") else 1
+        opt = ShardedOptimizer(model.parameters(), optimizer_cls, stage=stage, **kwargs)
+        return model, opt, opt
+    raise ValueError(f"unknown variant {name!r}; the variants are {VARIANTS}")
+
+
+def train_variants_on_rank(
+    make_model: Callable[[], nn.Module],
+    make_batch: Callable[[int, int], tuple],
+    loss_fn: Callable,
+    steps: int,
+    optimizer_cls: type[torch.optim.Optimizer],
+    variants: tuple[str, ...] = VARIANTS,
+    **optimizer_kwargs: Any,
+) -> dict[str, dict[str, Any]]:
+    """Runs on every rank: train a fresh ``make_model()`` for ``steps`` steps in each way of
+    :func:`make_variant`, on batches ``make_batch(step, rank)`` = ``(inputs..., target)``.
+
+    Returns, per variant: ``losses`` (mean over ranks, per step), ``params`` (the final
+    parameters, flattened, on the CPU), ``state_bytes`` (this rank's optimizer state) and
+    ``grad_bytes`` (gradient memory this rank holds after the last step: the model's ``.grad``
+    tensors plus ShardedOptimizer's own flat gradient buffer or gradient shard). Chapter 9.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name in variants:
+        model = make_model()
+        module, opt, holder = make_variant(name, model, optimizer_cls, **optimizer_kwargs)
+        losses = []
+        for step in range(steps):
+            *inputs, target = make_batch(step, rank)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(module(*inputs), target)
+            loss.backward()
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        if isinstance(opt, ShardedOptimizer):
+            grad_bytes += opt.gradient_bytes()
+        out[name] = {
+            "losses": losses,
+            "params": torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]),
+            "state_bytes": optimizer_state_bytes(holder),
+            "grad_bytes": grad_bytes,
+        }
+    return out

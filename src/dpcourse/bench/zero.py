@@ -25,8 +25,6 @@ import time
 
 HELP = "ShardedOptimizer step time vs ZeroRedundancyOptimizer and DDP + Adam; state bytes/rank"
 
-VARIANTS = ("DDP + Adam", "ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
@@ -51,24 +49,11 @@ def _model(width: int, out_features: int):
 
 
 def _make(name: str, model):
-    """(module to call, optimizer, the optimizer whose state is this rank's) for a variant."""
     import torch
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
 
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.zero import make_variant
 
-    if name == "DDP + Adam":
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        return DistributedDataParallel(model), opt, opt
-    if name == "ZeroRedundancyOptimizer":
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4)
-        return DistributedDataParallel(model), opt, opt.optim
-    if name.startswith("ShardedOptimizer"):
-        stage = 2 if name.endswith("s2") else 1
-        opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, stage=stage, lr=1e-4)
-        return model, opt, opt
-    raise ValueError(f"unknown variant {name!r}; the variants are {VARIANTS}")
+    return make_variant(name, model, torch.optim.Adam, lr=1e-4)
 
 
 def time_on_rank(
@@ -123,6 +108,7 @@ def bench_zero(
     world_sizes: list[int], repeats: int, warmup: int, batch: int, width: int, out: int
 ) -> dict:
     from dpcourse.launch import run_ranks
+    from dpcourse.zero import VARIANTS
 
     num_params = 3 * (width * width + width) + width * out + out
     rows = []
