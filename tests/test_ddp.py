@@ -436,3 +436,43 @@ def test_epoch_indices_equal_distributed_sampler(world, n):
                 assert ddp.epoch_indices(n, world, rank, epoch, seed=5, shuffle=shuffle) == list(
                     sampler
                 )
+
+
+def gpu_on_rank() -> tuple[str, float, int]:
+    """DDP and torch's DDP on this rank's GPU (gloo with CUDA tensors on one GPU, NCCL on
+    several), trained alike; and a timeline of one step."""
+    from dpcourse import runtime
+
+    rank, world, device = dist.get_rank(), dist.get_world_size(), runtime.device()
+    results = {}
+    for kind in ("DDP", "torch DDP"):
+        torch.manual_seed(0)
+        model = models.MLP().to(device)
+        if kind == "DDP":
+            wrapped = ddp.DDP(model, bucket_cap_mb=300 * B)
+        else:
+            ids = [device.index] if device.type == "cuda" else None
+            wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for _, (x, y) in batches(world, rank):
+            opt.zero_grad()
+            F.mse_loss(wrapped(x.to(device)), y.to(device)).backward()
+            synchronise(kind, wrapped)
+            opt.step()
+        results[kind] = {n: p.cpu() for n, p in params_of(model).items()}
+    diff = max(
+        (results["DDP"][n] - results["torch DDP"][n]).abs().max().item() for n in results["DDP"]
+    )
+    x = torch.randn(8, 5, device=device)
+    timeline = ddp.timed_backward(
+        wrapped_ddp := ddp.DDP(models.MLP().to(device), 300 * B), wrapped_ddp(x).square().mean()
+    )
+    return device.type, diff, len(timeline.buckets)
+
+
+@pytest.mark.gpu
+def test_ddp_on_gpu_equals_torch_ddp():
+    for device_type, diff, buckets in run_ranks(gpu_on_rank, 2, timeout=240):
+        assert device_type == "cuda"
+        assert diff < 1e-5  # GPUs sum in their own orders: a little above the CPU's roundings
+        assert buckets == 5
