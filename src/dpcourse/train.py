@@ -1,0 +1,280 @@
+"""python -m dpcourse.train: the course's data-parallel trainer, from one CPU to many GPU nodes.
+
+Read it top to bottom: it is one function that does what chapters 1-9 built, in order. Run it
+
+    python -m dpcourse.train --strategy single                        # one process
+    torchrun --standalone --nproc-per-node=2 -m dpcourse.train --strategy ddp-scratch
+    torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d \\
+             --rdzv-endpoint=$MASTER_ADDR:29500 -m dpcourse.train ...   # slurm/train.sbatch
+
+Strategies (``--strategy``), all training the same model on the same global batches:
+
+* ``single``: one process, no communication (chapter 1);
+* ``manual``: all-reduce every gradient after backward, then step (chapter 4's averaging);
+* ``ddp-scratch``: the course's :class:`dpcourse.ddp.DDP`, bucketed and overlapped (chapter 7);
+* ``ddp-torch``: ``torch.nn.parallel.DistributedDataParallel``;
+* ``zero``: :class:`dpcourse.zero.ShardedOptimizer`, ZeRO stage 1 (chapter 9).
+
+``--batch-size`` is per rank: the effective batch is world size x batch size, and
+``--lr-scaling``/``--warmup`` adapt the learning rate to it (chapter 8). With
+``--checkpoint-dir`` it saves every ``--checkpoint-every`` steps and resumes from the newest
+checkpoint there, exactly where it stopped (same batches, same random numbers). Only rank 0
+logs. ``--crash-at-step`` makes one rank die, to show what a failure looks like (chapter 8).
+
+``main(argv)`` also runs inside :func:`dpcourse.launch.run_ranks` (the process group exists
+then) and returns a summary dict; tests use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from dpcourse import checkpoint, runtime
+from dpcourse.lr_schedule import RULES, lr_at
+
+STRATEGIES = ("single", "manual", "ddp-scratch", "ddp-torch", "zero")
+MODELS = ("mlp", "transformer")
+
+__all__ = ["STRATEGIES", "MODELS", "parse_args", "main"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``python -m dpcourse.train --help``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m dpcourse.train",
+        description="Data-parallel training of the course's models; run it under torchrun.",
+    )
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp-scratch")
+    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps in all")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate for one rank")
+    p.add_argument("--lr-scaling", choices=RULES, default="none", help="rule for N ranks")
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear warm-up")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=None, help="max gradient norm (0: off)")
+    p.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1024, help="size of the data set")
+    p.add_argument("--checkpoint-dir", type=Path, default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between saves (0: end)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
+    p.add_argument("--crash-at-step", type=int, default=None, help="a rank dies at this step")
+    p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--crash-marker", type=Path, default=None, help="crash only if this is absent")
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1 or args.num_samples < 1:
+        p.error("--steps, --batch-size and --num-samples must be at least 1")
+    if args.grad_clip is None:  # ShardedOptimizer averages gradients inside step(): no clipping
+        args.grad_clip = 0.0 if args.strategy == "zero" else 1.0
+    if args.strategy == "zero" and (args.grad_clip > 0 or args.amp == "fp16"):
+        p.error(
+            "--strategy zero averages the gradients inside ShardedOptimizer.step(), so neither "
+            "--grad-clip (it needs the averaged gradients before the step) nor --amp fp16 (the "
+            "scaler must unscale them) can be used with it; use --amp bf16, or --strategy ddp-torch"
+        )
+    return args
+
+
+def _data_and_model(args: argparse.Namespace):
+    from dpcourse import data, models
+
+    if args.model == "mlp":
+        dataset = data.random_regression(args.num_samples, seed=args.seed)
+        model = models.MLP()
+        return dataset, None, model, torch.nn.functional.mse_loss
+    dataset = data.DigitsToWords(args.num_samples, seed=args.seed)
+    model = models.TinyTransformer(d_model=32, nhead=2, num_layers=1, dim_feedforward=64)
+    return dataset, data.collate_seq2seq, model, models.sequence_cross_entropy
+
+
+def _fingerprint(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train as the command line says; returns a summary (on every rank)."""
+    args = parse_args(argv)
+
+    # ---- the process group: torchrun's environment, or the one run_ranks made, or none
+    started_group = False
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        runtime.init_process_group(timeout=datetime.timedelta(seconds=args.timeout))
+        started_group = True
+    info = runtime.current()
+    rank, world, device = info.rank, info.world_size, info.device
+    if args.strategy == "single" and world > 1:
+        raise SystemExit("--strategy single runs on one process; start it without torchrun")
+    if args.strategy != "single" and not dist.is_initialized():
+        raise SystemExit(
+            f"--strategy {args.strategy} needs a process group: start it with torchrun, e.g. "
+            f"torchrun --standalone --nproc-per-node=2 -m dpcourse.train --strategy {args.strategy}"
+        )
+    log = runtime.print0
+
+    # ---- data: every rank builds the same data set; the sampler gives each its share
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    dataset, collate, model, loss_fn = _data_and_model(args)
+    sampler = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    # A private generator: a DataLoader draws a seed from its generator for every epoch, and
+    # the global one is part of what a checkpoint restores.
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        collate_fn=collate,
+        drop_last=True,
+        generator=torch.Generator(),
+    )
+    if len(loader) == 0:
+        raise SystemExit(
+            f"{args.num_samples} samples make no batch of {args.batch_size} on each of {world} "
+            "ranks: lower --batch-size or raise --num-samples"
+        )
+    torch.manual_seed(args.seed + 1000 * (rank + 1))  # each rank its own dropout masks
+
+    # ---- model and optimizer for the strategy
+    model.to(device)
+    raw_model = model
+    if args.strategy == "ddp-scratch":
+        from dpcourse.ddp import DDP
+
+        model = DDP(model)
+    elif args.strategy == "ddp-torch":
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if args.strategy == "zero":
+        from dpcourse.zero import ShardedOptimizer
+
+        optimizer = ShardedOptimizer(
+            raw_model.parameters(), torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay
+        )
+    else:
+        optimizer = torch.optim.AdamW(
+            raw_model.parameters(), lr=args.lr, weight_decay=args.weight_decay
+        )
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    # ---- resume from the newest checkpoint, if there is one
+    step = 0
+    if args.checkpoint_dir is not None:
+        resumed = checkpoint.load_checkpoint(
+            args.checkpoint_dir, raw_model, optimizer, scaler=scaler
+        )
+        if resumed is not None:
+            step = resumed["step"]
+            log(f"resumed from {resumed['path']} at step {step}")
+    log(
+        f"training {args.model} with {args.strategy} on {world} rank(s) ({info.backend}, "
+        f"{device}): {args.steps} steps of {world} x {args.batch_size} samples"
+    )
+
+    # ---- the training loop
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    while step < args.steps:
+        epoch, done_in_epoch = divmod(step, len(loader))
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        for i, batch in enumerate(loader):
+            if i < done_in_epoch:
+                continue  # batches this epoch had seen before the checkpoint we resumed from
+            if step == args.crash_at_step and rank == args.crash_rank:
+                marker = args.crash_marker
+                if marker is None or not marker.exists():
+                    if marker is not None:
+                        marker.touch()
+                    print(f"[rank {rank}] crashing at step {step} (--crash-at-step)", flush=True)
+                    os._exit(1)  # no exception, no cleanup: as if the machine had died
+            lr = lr_at(step, args.lr, world, args.warmup, args.lr_scaling)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            *inputs, target = (t.to(device) for t in batch)
+
+            # forward and backward (16-bit compute under autocast; the weights stay float32)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                loss = loss_fn(model(*inputs), target)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()  # scale(loss) is loss itself unless --amp fp16
+
+            # average the (scaled) gradients over the ranks
+            if args.strategy == "manual":
+                for p in raw_model.parameters():
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
+            elif args.strategy == "ddp-scratch":
+                model.finish_gradient_synchronization()
+            # (ddp-torch synchronised during backward; zero does it inside optimizer.step())
+
+            # unscale once, clip the synchronised gradients, step (skipped if any inf)
+            if args.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            step += 1
+
+            # log the loss of the global batch (an all-reduce, so only every few steps)
+            if step % args.log_every == 0 or step == args.steps:
+                mean_loss = loss.detach().float().clone()
+                if world > 1:
+                    dist.all_reduce(mean_loss)
+                    mean_loss /= world
+                losses.append(mean_loss.item())
+                ms = (time.perf_counter() - t0) * 1e3 / max(len(losses), 1)
+                log(f"step {step:5d} | loss {losses[-1]:.4f} | lr {lr:.2e} | {ms:.0f} ms/log")
+            if args.checkpoint_dir is not None and (
+                (args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.steps
+            ):
+                checkpoint.save_checkpoint(
+                    args.checkpoint_dir,
+                    step,
+                    raw_model,
+                    optimizer,
+                    scaler=scaler if scaler.is_enabled() else None,
+                    progress={"epoch": epoch},
+                    sharded_optimizer=args.strategy == "zero",
+                )
+            if step == args.steps:
+                break
+
+    # ---- the replicas must be identical: compare a hash of the weights across ranks
+    fingerprint = _fingerprint(raw_model)
+    fingerprints = [fingerprint]
+    if world > 1:
+        fingerprints = [None] * world
+        dist.all_gather_object(fingerprints, fingerprint)
+    if len(set(fingerprints)) != 1:
+        raise RuntimeError(f"the replicas differ after training: weight hashes {fingerprints}")
+    log(f"done: {args.steps} steps; replicas identical on {world} rank(s) (weights {fingerprint})")
+    summary = {
+        "rank": rank,
+        "world_size": world,
+        "steps": args.steps,
+        "losses": losses,
+        "fingerprint": fingerprint,
+        "params": [p.detach().cpu().clone() for p in raw_model.parameters()],
+    }
+    if started_group:
+        runtime.teardown()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

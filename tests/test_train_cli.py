@@ -1,0 +1,195 @@
+"""python -m dpcourse.train under torchrun: strategies agree, crashes restart and resume exactly,
+nothing hangs; the SLURM script is valid and its torchrun command line parses."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpcourse import checkpoint, train
+from dpcourse.launch import RankDiedError, run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+SBATCH = ROOT / "slurm" / "train.sbatch"
+TIMEOUT = 240  # seconds for one torchrun job (the machine may be busy)
+COMMON = ["--steps", "12", "--batch-size", "8", "--num-samples", "256", "--log-every", "4"]
+
+
+def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
+        "-m", "dpcourse.train", *args,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+
+
+def final_weights(directory: Path) -> dict[str, torch.Tensor]:
+    manifest = checkpoint.latest_checkpoint(directory)
+    state = torch.load(
+        directory / manifest["path"] / "checkpoint.pt", map_location="cpu", weights_only=True
+    )
+    return state["model"]
+
+
+def logged_losses(output: str) -> list[float]:
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)", output)]
+
+
+@pytest.fixture(scope="module")
+def strategy_runs(tmp_path_factory):
+    """Every strategy on 2 ranks (single on 1 rank with twice the batch), without clipping, so
+    that all of them train on the same global batches with the same update."""
+    base = tmp_path_factory.mktemp("strategies")
+    runs = {}
+    for strategy in ("manual", "ddp-scratch", "ddp-torch", "zero", "single"):
+        nproc, batch = (1, "16") if strategy == "single" else (2, "8")
+        args = [*COMMON, "--batch-size", batch, "--grad-clip", "0"]
+        proc = torchrun(nproc, "--strategy", strategy, *args, "--checkpoint-dir", base / strategy)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[strategy] = (proc.stdout + proc.stderr, final_weights(base / strategy))
+    return runs
+
+
+@pytest.mark.slow
+def test_every_strategy_trains_and_its_ranks_agree(strategy_runs):
+    for strategy, (output, _) in strategy_runs.items():
+        nranks = 1 if strategy == "single" else 2
+        assert f"replicas identical on {nranks} rank(s)" in output, output
+        losses = logged_losses(output)
+        assert len(losses) == 3 and losses[-1] < 0.7 * losses[0], (strategy, losses)
+        assert output.count("training mlp") == 1  # rank 0 logs, the other rank does not
+
+
+@pytest.mark.slow
+def test_strategies_reach_the_same_weights(strategy_runs):
+    reference = strategy_runs["ddp-torch"][1]
+    for strategy in ("manual", "ddp-scratch"):  # same sums, same division by 2: bit for bit
+        for name, value in strategy_runs[strategy][1].items():
+            assert torch.equal(value, reference[name]), (strategy, name)
+    for strategy in ("zero", "single"):  # other summation orders: rounding differences only
+        for name, value in strategy_runs[strategy][1].items():
+            torch.testing.assert_close(value, reference[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_crashed_group_which_resumes_exactly(tmp_path, strategy_runs):
+    """Rank 1 dies at step 7 (once: a marker file); torchrun restarts both ranks, which resume
+    from the checkpoint of step 4 and end with the weights of the run that never crashed."""
+    args = [*COMMON, "--strategy", "ddp-torch", "--grad-clip", "0", "--checkpoint-every", "4"]
+    args += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-at-step", "7"]
+    args += ["--crash-marker", str(tmp_path / "crashed-once")]
+    start = time.monotonic()
+    proc = torchrun(2, *args, max_restarts=1)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert (tmp_path / "crashed-once").exists()
+    assert "crashing at step 7" in output and "resumed from" in output and "at step 4" in output
+    got = final_weights(tmp_path / "ckpt")
+    for name, value in strategy_runs["ddp-torch"][1].items():
+        assert torch.equal(got[name], value), name
+    assert time.monotonic() - start < TIMEOUT
+
+
+@pytest.mark.slow
+def test_a_crash_without_restarts_fails_fast_instead_of_hanging(tmp_path):
+    start = time.monotonic()
+    proc = torchrun(2, *COMMON, "--strategy", "manual", "--crash-at-step", "3", "--timeout", "30")
+    assert proc.returncode != 0
+    assert "crashing at step 3" in proc.stdout + proc.stderr
+    assert time.monotonic() - start < 60  # well within the 30 s collective timeout + start-up
+
+
+def test_a_crash_under_run_ranks_is_a_rank_died_error():
+    with pytest.raises(RankDiedError, match="rank 1"):
+        run_ranks(
+            train.main,
+            2,
+            [*COMMON, "--strategy", "ddp-scratch", "--crash-at-step", "2"],
+            timeout=120,
+        )
+
+
+def test_main_under_run_ranks_matches_torch_ddp_and_resumes(tmp_path):
+    args = [*COMMON, "--grad-clip", "0", "--checkpoint-dir"]
+    full = run_ranks(train.main, 2, ["--strategy", "manual", *args, str(tmp_path / "a")])
+    assert full[0]["fingerprint"] == full[1]["fingerprint"]
+    half = [*args, str(tmp_path / "b"), "--strategy", "manual"]
+    run_ranks(train.main, 2, [*half, "--steps", "5"])
+    resumed = run_ranks(train.main, 2, half)  # resumes at step 5, runs to 12
+    assert resumed[0]["fingerprint"] == full[0]["fingerprint"]
+
+
+def test_bad_command_lines_say_what_to_do(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--strategy", "zero", "--amp", "fp16"])
+    assert "use --amp bf16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.parse_args(["--steps", "0"])
+    assert "at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="needs a process group: start it with torchrun"):
+        train.main(["--strategy", "manual", "--steps", "1"])
+
+    def single_on_two():
+        train.main(["--strategy", "single", "--steps", "1"])
+
+    with pytest.raises(Exception, match="runs on one process"):
+        run_ranks(single_on_two, 2, timeout=120)
+
+
+def test_single_process_transformer_with_bf16(tmp_path):
+    out = train.main(
+        ["--strategy", "single", "--model", "transformer", "--amp", "bf16", "--steps", "3"]
+        + ["--batch-size", "8", "--num-samples", "64", "--log-every", "1"]
+    )
+    assert len(out["losses"]) == 3 and all(l > 0 for l in out["losses"])  # noqa: E741
+
+
+# ----------------------------------------------------------------------------------- SLURM
+def test_sbatch_script_is_valid_bash():
+    proc = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _torchrun_command_line() -> list[str]:
+    text = SBATCH.read_text()
+    lines, command = [], []
+    for line in text.splitlines():
+        if line.lstrip().startswith("srun ") or command:
+            command.append(line.split(" #")[0].rstrip().rstrip("\\"))
+            if not line.rstrip().endswith("\\"):
+                break
+    assert command, "no srun line in the script"
+    del lines
+    joined = " ".join(command)
+    env = {"SLURM_JOB_ID": "1234", "MASTER_ADDR": "node001", "MASTER_PORT": "29500"}
+    env["SLURM_JOB_NAME"] = "dpcourse-train"
+    for name, value in env.items():
+        joined = joined.replace(f"${name}", value)
+    words = shlex.split(joined)
+    return words[words.index("torchrun") + 1 :]
+
+
+def test_sbatch_torchrun_command_line_parses():
+    from torch.distributed.run import get_args_parser
+
+    words = _torchrun_command_line()
+    parsed = get_args_parser().parse_args(words)
+    assert parsed.nnodes == "2" and parsed.nproc_per_node == "4"
+    assert parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint == "node001:29500"
+    assert parsed.module and parsed.training_script == "dpcourse.train"
+    assert parsed.max_restarts == 1
+    args = train.parse_args(parsed.training_script_args)
+    assert args.strategy in train.STRATEGIES and args.checkpoint_dir is not None
+    text = SBATCH.read_text()
+    assert "scontrol show hostnames" in text and "head -n1" in text
+    assert "#SBATCH --nodes=2" in text
