@@ -162,14 +162,13 @@ def test_sbatch_script_is_valid_bash():
 
 def _torchrun_command_line() -> list[str]:
     text = SBATCH.read_text()
-    lines, command = [], []
+    command = []
     for line in text.splitlines():
         if line.lstrip().startswith("srun ") or command:
             command.append(line.split(" #")[0].rstrip().rstrip("\\"))
             if not line.rstrip().endswith("\\"):
                 break
     assert command, "no srun line in the script"
-    del lines
     joined = " ".join(command)
     env = {"SLURM_JOB_ID": "1234", "MASTER_ADDR": "node001", "MASTER_PORT": "29500"}
     env["SLURM_JOB_NAME"] = "dpcourse-train"
