@@ -476,3 +476,15 @@ def test_ddp_on_gpu_equals_torch_ddp():
         assert device_type == "cuda"
         assert diff < 1e-5  # GPUs sum in their own orders: a little above the CPU's roundings
         assert buckets == 5
+
+
+def test_bench_ddp_reports_every_variant(capsys):
+    """The benchmark's plumbing (not its timings): every variant, a ratio to torch DDP."""
+    from dpcourse.bench import ddp as bench
+
+    result = bench.bench_ddp(2, repeats=2, warmup=0, batch=4, model_names=["transformer"])
+    assert [r["variant"] for r in result["rows"]] == list(bench.DEFAULT_VARIANTS)
+    assert all(r["median_s"] > 0 for r in result["rows"])
+    assert result["rows"][0]["over_torch_ddp"] == 1.0
+    bench.report(result)
+    assert "DDP, 25 MiB buckets, overlapped" in capsys.readouterr().out

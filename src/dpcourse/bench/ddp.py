@@ -4,7 +4,8 @@ Every variant of chapter 7 (step 2: one all-reduce per gradient after backward; 
 asynchronous all-reduce per gradient from hooks; step 4: :class:`dpcourse.ddp.DDP` with buckets,
 with and without overlap) trains its own copy of the same model on the same batch, next to
 ``torch.nn.parallel.DistributedDataParallel`` (default settings). Repetitions are interleaved
-(variant after variant, so that drifts in machine load hit all alike); each step starts after
+(variant after variant, rotating which goes first, so that drifts in machine load hit all
+alike); each step starts after
 a barrier and counts as long as its slowest rank; the table shows medians and their ratio to
 torch's DDP. Models: an MLP of 4 layers of width 1024 (batch 64 per rank) and the course's
 :class:`~dpcourse.models.TinyTransformer` (DigitsToWords, batch 64 per rank).
@@ -32,7 +33,7 @@ DEFAULT_VARIANTS = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64, help="samples per rank")
     parser.add_argument("--models", nargs="+", default=["mlp", "transformer"])
@@ -125,7 +126,9 @@ def time_variants_on_rank(
     times: dict[str, list[float]] = {name: [] for name in variants}
     slowest = torch.zeros(len(runs), dtype=torch.float64, device=device)
     for i in range(warmup + repeats):
-        for k, (_, wrapped, synchronise, optimizer) in enumerate(runs):
+        for j in range(len(runs)):
+            k = (i + j) % len(runs)  # rotate who goes first, so no variant always follows another
+            _, wrapped, synchronise, optimizer = runs[k]
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
