@@ -88,6 +88,9 @@ def test_efficiency_limits():
         assert full == pytest.approx(max(COMPUTE, comm))
         assert scaling.step_time(n, COMPUTE, GRAD, **NET) == pytest.approx(COMPUTE + comm)
     assert scaling.efficiency(64, COMPUTE, GRAD, **NET, overlap=1.0) == 1.0
+    assert scaling.overlapped_step_time(1.0, 0.5, 2 / 3) == 1.0
+    assert scaling.overlapped_step_time(1.0, 0.9, 2 / 3) == pytest.approx(0.9 + 1 / 3)
+    assert scaling.overlapped_step_time(1.0, 0.9) == pytest.approx(1.9)
 
 
 def test_overlap_bytes_and_buckets_move_the_efficiency_the_expected_way():

@@ -47,6 +47,7 @@ __all__ = [
     "bucket_count",
     "all_reduce_time",
     "hierarchical_all_reduce_time",
+    "overlapped_step_time",
     "step_time",
     "efficiency",
     "largest_world_size",
@@ -210,6 +211,16 @@ def hierarchical_all_reduce_time(
     return inside + across
 
 
+def overlapped_step_time(compute_s: float, comm_s: float, overlap: float = 0.0) -> float:
+    """Seconds of a step whose all-reduce of ``comm_s`` seconds can run behind the fraction
+    ``overlap`` of its ``compute_s``: ``compute + max(0, comm - overlap * compute)``. For any
+    all-reduce model (the flat ring of :func:`step_time`, the two-level one of
+    :func:`hierarchical_all_reduce_time`)."""
+    if not 0 <= overlap <= 1:
+        raise ValueError(f"overlap is a fraction of the compute, in [0, 1]; got {overlap}")
+    return compute_s + max(0.0, comm_s - overlap * compute_s)
+
+
 def step_time(
     world_size: int,
     compute_s: float,
@@ -220,16 +231,14 @@ def step_time(
     buckets: int = 1,
 ) -> float:
     """Modelled seconds of one data-parallel step: ``compute_s`` (one rank's forward, backward
-    and update) plus the all-reduce time that is not hidden behind compute.
+    and update) plus the ring all-reduce time that is not hidden behind compute.
 
     ``overlap`` is the fraction of the compute the all-reduce can run behind: 0 when it starts
     after backward, about :data:`BACKWARD_FRACTION` (2/3) for bucketed DDP, which overlaps it
     with backward, 1 in the ideal limit. So ``step = compute + max(0, comm - overlap*compute)``.
     """
-    if not 0 <= overlap <= 1:
-        raise ValueError(f"overlap is a fraction of the compute, in [0, 1]; got {overlap}")
     comm = all_reduce_time(grad_bytes, world_size, alpha, beta, buckets)
-    return compute_s + max(0.0, comm - overlap * compute_s)
+    return overlapped_step_time(compute_s, comm, overlap)
 
 
 def efficiency(
