@@ -343,6 +343,10 @@ def misuse_on_rank() -> dict[str, str]:
         return "no error"
 
     found["different models"] = message(lambda: ddp.DDP(nn.Linear(4, 4 + rank)))
+    frozen = nn.Linear(4, 4)
+    frozen.bias.requires_grad_(rank == 0)  # the same shapes, but not the same trainable ones
+    found["different frozen"] = message(lambda: ddp.DDP(frozen))
+    found["different buffers"] = message(lambda: ddp.DDP(nn.BatchNorm1d(3 + rank, affine=False)))
     wrapped = ddp.DDP(models.MLP(), bucket_cap_mb=0)
     x, y = torch.randn(4, 5), torch.randn(4, 2)
     with wrapped.no_sync():
@@ -361,7 +365,8 @@ def misuse_on_rank() -> dict[str, str]:
 def test_misuse_gives_clear_errors():
     found = run_ranks(misuse_on_rank, 2, timeout=120)
     for f in found:
-        assert "the ranks wrap different models" in f["different models"]
+        for case in ("different models", "different frozen", "different buffers"):
+            assert "the ranks wrap different models" in f[case], case
         assert "inside ddp.no_sync()" in f["finish inside no_sync"]
         assert "call ddp.finish_gradient_synchronization()" in f["forward before finish"]
         assert "received its gradient twice" in f["backward twice"]

@@ -80,24 +80,29 @@ def _check_module(module: nn.Module, who: str) -> torch.device:
     return next(iter(devices), torch.device("cpu"))
 
 
-def _check_same_model_on_every_rank(params: Sequence[torch.Tensor], device: torch.device) -> None:
-    """All ranks must hold the same list of shapes, or collectives would pair up wrong tensors
-    and hang. One all-reduce of a few numbers (max and -min) finds a difference."""
-    shapes = [tuple(p.shape) for p in params]
-    fingerprint = float(hash(tuple(shapes)) % (2**52))
+def _check_same_model_on_every_rank(module: nn.Module, device: torch.device) -> None:
+    """All ranks must hold the same parameters and buffers (shapes, and which parameters are
+    trainable), or the broadcasts and all-reduces would pair up different tensors and fail or
+    hang. One all-reduce of a few numbers (their maximum and minimum over the ranks) finds a
+    difference."""
+    params = list(module.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    layout = tuple((tuple(p.shape), p.requires_grad) for p in params)
+    layout += tuple(tuple(b.shape) for b in module.buffers())
+    fingerprint = float(hash(layout) % (2**52))  # hashes of ints and tuples are not salted
     stats = torch.tensor(
-        [len(params), sum(p.numel() for p in params), fingerprint], dtype=torch.float64
+        [len(trainable), sum(p.numel() for p in trainable), fingerprint], dtype=torch.float64
     )
     both = torch.cat([stats, -stats]).to(device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     high, low = both[:3].cpu(), -both[3:].cpu()
     if not torch.equal(high, low):
         raise RuntimeError(
-            f"the ranks wrap different models: rank {dist.get_rank()} has {len(params)} "
-            f"parameters that need gradients ({int(stats[1])} values), but across the ranks "
-            f"the counts range from {int(low[0])} to {int(high[0])} parameters and "
-            f"{int(low[1])} to {int(high[1])} values (or the shapes differ). Build the same "
-            "model, with the same frozen parameters, on every rank."
+            f"the ranks wrap different models: rank {dist.get_rank()} has {len(trainable)} "
+            f"parameters that need gradients ({int(stats[1])} values); across the ranks the "
+            f"counts range from {int(low[0])} to {int(high[0])} parameters and {int(low[1])} "
+            f"to {int(high[1])} values, or the shapes of parameters or buffers differ. Build the "
+            "same model, with the same frozen parameters, on every rank."
         )
 
 
@@ -409,8 +414,8 @@ class DDP(nn.Module):
         self.overlap = overlap
         self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
         self.world_size = dist.get_world_size()
+        _check_same_model_on_every_rank(module, device)
         params = [p for p in module.parameters() if p.requires_grad]
-        _check_same_model_on_every_rank(params, device)
         broadcast_parameters(module)
         self.reducer = BucketManager(params, bucket_cap_mb * MB, self.world_size)
         self.require_backward_grad_sync = True
