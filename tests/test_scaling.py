@@ -169,6 +169,24 @@ def test_ddp_step_times_on_one_rank_has_no_communication():
     assert r["world_size"] == 1 and r["comm"] == [0.0] * len(r["comm_sizes"])
 
 
+@pytest.mark.gpu
+def test_ddp_step_times_run_on_the_gpu():
+    (r,) = run_ranks(
+        scaling.ddp_step_times_on_rank, 1, [8], hidden=64, steps=2, warmup=1, timeout=120
+    )
+    assert r["device"].startswith("cuda") and all(t > 0 for t in r["compute"] + r["ddp"])
+
+
+@pytest.mark.multigpu
+def test_ddp_step_times_on_two_gpus_with_nccl():
+    results = run_ranks(
+        scaling.ddp_step_times_on_rank, 2, [8], hidden=64, steps=2, warmup=1,
+        comm_sizes=(2**10, 2**20), comm_repeats=3, timeout=120,
+    )  # fmt: skip
+    assert [r["device"] for r in results] == ["cuda:0", "cuda:1"]  # one GPU per rank
+    assert results[0]["ddp"] == results[1]["ddp"] and all(t > 0 for t in results[0]["comm"])
+
+
 # ----------------------------------------------------------------- the gradient noise scale
 def _gaussian_norms(trials, g, sigma_diag, b, rng):
     """Squared norms of mean gradients of b examples drawn from N(g, diag(sigma_diag))."""

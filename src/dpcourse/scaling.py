@@ -299,6 +299,36 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's ``seconds`` (on ``device``: NCCL reduces only GPU tensors)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _all_reduce_medians(sizes: Sequence[int], repeats: int, device: torch.device) -> list[float]:
+    """Median seconds of ``dist.all_reduce`` of float32 tensors of ``sizes`` bytes, each after a
+    barrier and counted on the slowest rank (as :mod:`dpcourse.commbench` does, on any backend)."""
+    import torch.distributed as dist
+
+    medians = []
+    for size in sizes:
+        x = torch.ones(max(size // 4, 1), device=device)
+        dist.all_reduce(x)  # warm-up: the first call sets up buffers and connections
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            _sync(device)
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            _sync(device)
+            times.append(_slowest(time.perf_counter() - start, device))
+        medians.append(statistics.median(times))
+    return medians
+
+
 def ddp_step_times_on_rank(
     per_rank_batches: Sequence[int],
     hidden: int = 512,
@@ -318,12 +348,13 @@ def ddp_step_times_on_rank(
     The model is ``MLP(in_features, hidden, 2)`` on the rank's device
     (:func:`dpcourse.runtime.device`): CPU with gloo here, a GPU with NCCL where there is one.
     Returns ``{"world_size", "device", "num_params", "grad_bytes", "batches", "compute",
-    "ddp", "comm_sizes", "comm"}`` (times in seconds), the same on every rank.
+    "ddp", "comm_sizes", "comm"}`` (times in seconds, the same on every rank; ``device`` is the
+    rank's own). Chapter 10 compares them with :func:`step_time` fitted to this machine.
     """
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from dpcourse import commbench, runtime
+    from dpcourse import runtime
     from dpcourse.models import MLP
 
     device = runtime.device()
@@ -354,17 +385,14 @@ def ddp_step_times_on_rank(
                 loss_fn(model(x), y).backward()
                 opts[name].step()
                 _sync(device)
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank counts
+                elapsed = _slowest(time.perf_counter() - start, device)  # the slowest rank counts
                 if i >= warmup:
-                    times[name].append(elapsed.item())
+                    times[name].append(elapsed)
         for name in out:
             out[name].append(statistics.median(times[name]))
-    comm = {"library": [0.0] * len(comm_sizes)}
+    comm = [0.0] * len(comm_sizes)
     if world > 1:
-        comm = commbench.time_all_reduce_on_rank(
-            list(comm_sizes), names=("library",), repeats=comm_repeats
-        )
+        comm = _all_reduce_medians(comm_sizes, comm_repeats, device)
     return {
         "world_size": world,
         "device": str(device),
@@ -374,7 +402,7 @@ def ddp_step_times_on_rank(
         "compute": out["compute"],
         "ddp": out["ddp"],
         "comm_sizes": list(comm_sizes),
-        "comm": comm["library"],
+        "comm": comm,
     }
 
 
