@@ -145,8 +145,12 @@ def compare(what: str, got: dict, want: dict, failures: list, rtol=RTOL, atol=AT
     return worst
 
 
-def train_plain(make, kind: str, cap=None, overlap=True) -> tuple[dict, nn.Module]:
-    """STEPS SGD steps on this rank's shards; the model was seeded differently on every rank."""
+def train_plain(
+    make, kind: str, cap=None, overlap=True, set_to_none=True
+) -> tuple[dict, nn.Module]:
+    """STEPS SGD steps on this rank's shards; the model was seeded differently on every rank.
+    With ``set_to_none=False`` DDP's gradients stay views of its buckets between steps, and
+    autograd accumulates straight into them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)
     model = make(rank)
@@ -154,7 +158,7 @@ def train_plain(make, kind: str, cap=None, overlap=True) -> tuple[dict, nn.Modul
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for _, (x, y) in batches(world, rank):
         loss = F.mse_loss(wrapped(x), y)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
         synchronise(kind, wrapped)
         opt.step()
@@ -196,6 +200,12 @@ def check_plain_models(failures: list, worst: dict) -> None:
                 )
         runs = [("step 2", None, True), ("step 3", None, True), ("torch DDP", None, True)]
         runs += [("DDP", cap, overlap) for cap in caps for overlap in (True, False)]
+        got, wrapped = train_plain(make, "DDP", min(caps), True, set_to_none=False)
+        what = f"{model_name}, DDP, zero_grad(set_to_none=False)"
+        worst[what] = compare(what, got, want, failures)
+        views = {b.buffer.untyped_storage().data_ptr() for b in wrapped.buckets}
+        if any(p.grad.untyped_storage().data_ptr() not in views for p in wrapped.reducer.where):
+            failures.append(f"{what}: a gradient is not a view of its bucket")
         for kind, cap, overlap in runs:
             what = f"{model_name}, {kind}" + (
                 f", cap {cap * ddp.MB:g} B, overlap={overlap}" if kind == "DDP" else ""
