@@ -406,16 +406,28 @@ def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
 
 
 def fsdp_step_events(
-    model: nn.Module, layers: list[str], inputs: tuple, loss_fn: Callable, target: torch.Tensor
+    model: nn.Module,
+    layers: list[str],
+    inputs: tuple,
+    loss_fn: Callable,
+    target: torch.Tensor,
+    reshard_root: bool = True,
 ) -> tuple[list[tuple[str, str, int]], int]:
     """Runs on every rank: wrap ``model`` with FSDP2 (``fully_shard`` on each submodule named in
-    ``layers``, then on the model), run one forward and backward, and return what happened in
-    order, ``("forward"|"backward", layer, 0)`` markers between ``("collective", kind, bytes)``
-    entries, with this rank's number of parameter elements after sharding."""
+    ``layers``, then on the model, whose group holds the remaining parameters), run one forward
+    and backward, and return what happened in order, ``("forward"|"backward", layer, 0)``
+    markers between ``("collective", kind, bytes)`` entries, with this rank's number of
+    parameter elements after sharding. ``reshard_root``: free the root's gathered parameters
+    after forward too (pure ZeRO-3; FSDP's default keeps them for backward)."""
+    import warnings
+
     from torch.distributed.fsdp import fully_shard
 
     modules = dict(model.named_modules())
-    with record_collectives() as log:
+    with record_collectives() as log, warnings.catch_warnings():
+        # FSDP2 warns that a layer returned a view (an in-place op on it would skip its
+        # pre-backward hook); nothing here modifies outputs in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
 
         def mark_backward(module, args, output, name) -> None:
             # the gradient of the layer's output arrives just before the layer's backward
@@ -428,7 +440,7 @@ def fsdp_step_events(
             )
             module.register_forward_hook(functools.partial(mark_backward, name=name))
             fully_shard(module)
-        fully_shard(model)
+        fully_shard(model, reshard_after_forward=reshard_root)
         local = sum(p.to_local().numel() for p in model.parameters())
         loss_fn(model(*inputs), target).backward()
     return log, local
@@ -473,6 +485,7 @@ def train_variants_on_rank(
     steps: int,
     optimizer_cls: type[torch.optim.Optimizer],
     variants: tuple[str, ...] = VARIANTS,
+    return_params: bool = True,
     **optimizer_kwargs: Any,
 ) -> dict[str, dict[str, Any]]:
     """Runs on every rank: train a fresh ``make_model()`` for ``steps`` steps in each way of
@@ -481,7 +494,8 @@ def train_variants_on_rank(
     Returns, per variant: ``losses`` (mean over ranks, per step), ``params`` (the final
     parameters, flattened, on the CPU), ``state_bytes`` (this rank's optimizer state) and
     ``grad_bytes`` (gradient memory this rank holds after the last step: the model's ``.grad``
-    tensors plus ShardedOptimizer's own flat gradient buffer or gradient shard). Chapter 9.
+    tensors plus ShardedOptimizer's own flat gradient buffer or gradient shard). With
+    ``return_params=False``, ``params`` is ``None`` (large models travel back faster). Chapter 9.
     """
     import torch.distributed as dist
 
@@ -505,7 +519,9 @@ def train_variants_on_rank(
             grad_bytes += opt.gradient_bytes()
         out[name] = {
             "losses": losses,
-            "params": torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]),
+            "params": torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+            if return_params
+            else None,
             "state_bytes": optimizer_state_bytes(holder),
             "grad_bytes": grad_bytes,
         }

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-features", type=int, default=1001)
 
 
-def _model(width: int, out_features: int):
+def make_mlp(width: int = 1024, out_features: int = 1001):
+    """The benchmark's model (seeded): 4 Linear layers, ``width`` wide, ``out_features`` out."""
     import torch
     from torch import nn
 
@@ -71,7 +72,7 @@ def time_on_rank(
     from dpcourse.zero import optimizer_state_bytes
 
     rank, device = dist.get_rank(), runtime.device()
-    base = _model(width, out).to(device)
+    base = make_mlp(width, out).to(device)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, width, generator=g).to(device)
     y = torch.randn(batch, out, generator=g).to(device)
