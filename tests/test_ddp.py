@@ -1,7 +1,9 @@
 """DDP from scratch (dpcourse.ddp) against single-process training and torch's DDP.
 
 Each world size is one launch: the rank function trains every variant and returns what failed,
-so that a failure names the variant and the parameter instead of hiding in a rank.
+so that a failure names the variant and the parameter instead of hiding in a rank. These runs use
+CPU tensors, so they ask for gloo (on a multi-GPU machine "auto" would pick NCCL); the GPU test
+at the end runs on the ranks' devices.
 
 Tolerance: float32 with rtol=1e-5, atol=1e-6. The data-parallel gradient is the mean of the
 ranks' shard means, summed in another order than the single process's mean over the whole
@@ -333,7 +335,7 @@ def equivalence_on_rank() -> tuple[list[str], dict]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_variant_equals_single_process_and_torch_ddp(world):
-    results = run_ranks(equivalence_on_rank, world, timeout=240)
+    results = run_ranks(equivalence_on_rank, world, backend="gloo", timeout=240)
     failures = [f for fs, _ in results for f in fs]
     assert not failures, "\n".join(failures[:20])
     worst = max(max(w.values()) for _, w in results)
@@ -373,7 +375,7 @@ def misuse_on_rank() -> dict[str, str]:
 
 
 def test_misuse_gives_clear_errors():
-    found = run_ranks(misuse_on_rank, 2, timeout=120)
+    found = run_ranks(misuse_on_rank, 2, backend="gloo", timeout=120)
     for f in found:
         for case in ("different models", "different frozen", "different buffers"):
             assert "the ranks wrap different models" in f[case], case
@@ -427,7 +429,7 @@ def timeline_on_rank() -> list:
 
 
 def test_timeline_shows_launches_during_backward_only_with_overlap():
-    for overlap, n, t in run_ranks(timeline_on_rank, 2, timeout=120)[0]:
+    for overlap, n, t in run_ranks(timeline_on_rank, 2, backend="gloo", timeout=120)[0]:
         assert [b.index for b in t.buckets] == list(range(n)) and n == 6
         for b in t.buckets:
             assert 0 <= b.launched_s <= b.completed_s <= t.finished_s + 1e-3

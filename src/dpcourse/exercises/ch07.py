@@ -93,13 +93,13 @@ def _hook_on_rank(fn: Callable) -> str | None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from dpcourse import models
+    from dpcourse import models, runtime
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, device = dist.get_rank(), dist.get_world_size(), runtime.device()
     torch.manual_seed(0)
-    model = models.MLP()
+    model = models.MLP().to(device)
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(6, 5, generator=g), torch.randn(6, 2, generator=g)
+    x, y = torch.randn(6, 5, generator=g).to(device), torch.randn(6, 2, generator=g).to(device)
     F.mse_loss(model(x), y).backward()
     local = {n: p.grad.clone() for n, p in model.named_parameters()}
     want = {}
@@ -214,14 +214,14 @@ def _average_on_rank(fn: Callable) -> str | None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from dpcourse import models
+    from dpcourse import models, runtime
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world, device = dist.get_rank(), dist.get_world_size(), runtime.device()
     torch.manual_seed(0)
-    model = models.MLP()
+    model = models.MLP().to(device)
     model.fc1.bias.requires_grad_(False)  # a frozen parameter: it has no gradient
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(6, 5, generator=g), torch.randn(6, 2, generator=g)
+    x, y = torch.randn(6, 5, generator=g).to(device), torch.randn(6, 2, generator=g).to(device)
     F.mse_loss(model(x), y).backward()
     local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     want = {}
