@@ -49,6 +49,12 @@ def test_all_reduce_time_is_chapter_six_ring_with_a_latency_per_bucket():
         assert ten - one == pytest.approx(9 * 2 * (n - 1) * NET["alpha"])
     assert scaling.bucket_count(GRAD) == math.ceil(2.6e9 / (25 * 2**20)) == 100
     assert scaling.bucket_count(1.0) == 1
+    # PyTorch's DDP: a first bucket of 1 MiB, then 25 MiB ones
+    assert scaling.bucket_count(1.19e6, first_bucket_bytes=2**20) == 2
+    assert scaling.bucket_count(1e5, first_bucket_bytes=2**20) == 1
+    assert scaling.bucket_count(2**20 + 25 * 2**20, first_bucket_bytes=2**20) == 2
+    with pytest.raises(ValueError, match="positive"):
+        scaling.bucket_count(1.0, 0)
 
 
 def test_simulated_ring_agrees_with_the_model():

@@ -152,11 +152,20 @@ def gradient_bytes(num_params: float, dtype: torch.dtype | str = "bf16") -> floa
     return float(num_params) * size
 
 
-def bucket_count(grad_bytes: float, bucket_cap_bytes: float = 25 * 2**20) -> int:
+def bucket_count(
+    grad_bytes: float, bucket_cap_bytes: float = 25 * 2**20, first_bucket_bytes: float = 0.0
+) -> int:
     """How many all-reduces DDP launches for ``grad_bytes`` of gradients in buckets of at most
-    ``bucket_cap_bytes`` (DDP's default cap is 25 MiB)."""
-    if bucket_cap_bytes <= 0:
-        raise ValueError(f"bucket_cap_bytes must be positive, got {bucket_cap_bytes}")
+    ``bucket_cap_bytes`` (DDP's default cap is 25 MiB). PyTorch's DDP makes its first bucket
+    smaller (1 MiB) so that the first all-reduce starts early: pass ``first_bucket_bytes=2**20``
+    to count it. Bytes only: DDP never splits a parameter, so real buckets can be a little fuller.
+    """
+    if bucket_cap_bytes <= 0 or first_bucket_bytes < 0:
+        raise ValueError(
+            f"bucket sizes must be positive, got {bucket_cap_bytes} and {first_bucket_bytes}"
+        )
+    if first_bucket_bytes and grad_bytes > first_bucket_bytes:
+        return 1 + math.ceil((grad_bytes - first_bucket_bytes) / bucket_cap_bytes)
     return max(1, math.ceil(grad_bytes / bucket_cap_bytes))
 
 
