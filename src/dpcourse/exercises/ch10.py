@@ -118,7 +118,7 @@ def largest_efficient_world_size(fn: Callable) -> str:
             f"alpha={case[3]:g} s, beta={case[4]:.3g} B/s, overlap={case[5]:.3g}: expected "
             f"N={want} (efficiency {at(want):.4f}), got {got!r}.{hint}"
         )
-    return f"the right N in {len(LARGEST_CASES)} settings, from 1 to thousands of ranks"
+    return f"the right N in {len(LARGEST_CASES)} settings, from 1 to tens of thousands of ranks"
 
 
 # (true |G|^2, true tr(Sigma), b_small, b_big): norms built as their expected values, so an
