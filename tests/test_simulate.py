@@ -74,3 +74,25 @@ def test_mismatched_messages_and_bad_peers_are_errors():
 def test_outside_a_simulation_the_real_process_group_is_needed():
     with pytest.raises(RuntimeError, match="no process group"):
         p2p.rank_and_size()
+
+
+def test_a_ring_is_as_slow_as_its_slowest_link():
+    """Every chunk crosses every link of the ring, so one link at a quarter of the bandwidth
+    makes the bandwidth term of the whole all-reduce four times as long (not 1/N of that)."""
+    n, nbytes, beta = 8, 1e9, 12.5e9
+    fast = simulate.all_reduce_time("ring", n, nbytes, alpha=0.0, beta=beta)
+    slow = simulate.all_reduce_time("ring", n, nbytes, alpha=0.0, beta=beta,
+                                    link_beta={(3, 4): beta / 4})
+    assert fast == pytest.approx(costmodel.predict("ring", n, nbytes, 0.0, beta), rel=1e-9)
+    assert slow == pytest.approx(4 * fast, rel=1e-9)
+    # a slow link the ring does not use changes nothing
+    unused = simulate.all_reduce_time("ring", n, nbytes, alpha=0.0, beta=beta,
+                                      link_beta={(4, 3): beta / 4})
+    assert unused == pytest.approx(fast, rel=1e-9)
+
+
+def test_link_beta_is_checked():
+    with pytest.raises(ValueError, match="cannot message"):
+        simulate.SimulatedNetwork(4, 1e-6, 1e9, link_beta={(0, 4): 1e9})
+    with pytest.raises(ValueError, match="bandwidth > 0"):
+        simulate.SimulatedNetwork(4, 1e-6, 1e9, link_beta={(0, 1): 0.0})

@@ -65,7 +65,8 @@ def time_all_reduce_on_rank(
                 fns[n](y)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                elapsed = torch.tensor([time.perf_counter() - start])
+                # on the rank's device: NCCL reduces only GPU tensors
+                elapsed = torch.tensor([time.perf_counter() - start], device=device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank counts
                 times[n].append(elapsed.item())
         for n in names:

@@ -44,9 +44,20 @@ class _Ticket:
 
 
 class SimulatedNetwork:
-    """Links of latency ``alpha`` (s) and bandwidth ``beta`` (bytes/s) between every pair."""
+    """Links of latency ``alpha`` (s) and bandwidth ``beta`` (bytes/s) between every pair.
 
-    def __init__(self, world_size: int, alpha: float, beta: float, bytes_scale: float = 1.0):
+    ``link_beta`` gives some directed links ``(src, dst)`` a bandwidth of their own, e.g. one
+    slow cable (chapter 10: a ring is only as fast as its slowest link).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        alpha: float,
+        beta: float,
+        bytes_scale: float = 1.0,
+        link_beta: dict[tuple[int, int], float] | None = None,
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size, self.alpha, self.beta, self.bytes_scale = (
@@ -55,6 +66,11 @@ class SimulatedNetwork:
             beta,
             bytes_scale,
         )
+        self.link_beta = dict(link_beta or {})
+        for (src, dst), b in self.link_beta.items():
+            self._check_peer(src, dst)
+            if not b > 0:
+                raise ValueError(f"link ({src}, {dst}) needs a bandwidth > 0, got {b}")
         self.clock = [0.0] * world_size
         self.out_free = [0.0] * world_size
         self.in_free = [0.0] * world_size
@@ -109,7 +125,7 @@ class SimulatedNetwork:
         nbytes = send.tensor.numel() * send.tensor.element_size() * self.bytes_scale
         src, dst = send.rank, recv.rank
         start = max(send.posted_at, recv.posted_at, self.out_free[src], self.in_free[dst])
-        finish = start + self.alpha + nbytes / self.beta
+        finish = start + self.alpha + nbytes / self.link_beta.get((src, dst), self.beta)
         self.out_free[src] = self.in_free[dst] = finish
         self.messages += 1
         self.bytes += nbytes
@@ -144,6 +160,7 @@ def run(
     alpha: float = 5e-6,
     beta: float = 12.5e9,
     bytes_scale: float = 1.0,
+    link_beta: dict[tuple[int, int], float] | None = None,
     timeout: float = 600.0,
     **kwargs: Any,
 ) -> SimResult:
@@ -152,8 +169,9 @@ def run(
     Inside ``fn``, the course's collectives (and :mod:`dpcourse.collectives.p2p`) see the
     virtual rank and world size; torch.distributed itself is not available. Pass
     ``check_shapes=False`` to the collectives (the check uses torch.distributed).
+    ``link_beta`` maps directed links ``(src, dst)`` to a bandwidth other than ``beta``.
     """
-    net = SimulatedNetwork(world_size, alpha, beta, bytes_scale)
+    net = SimulatedNetwork(world_size, alpha, beta, bytes_scale, link_beta)
     results: list = [None] * world_size
     errors: list[tuple[int, str]] = []
 
@@ -181,11 +199,17 @@ def run(
 
 
 def all_reduce_time(
-    algorithm: str, world_size: int, nbytes: float, alpha: float = 5e-6, beta: float = 12.5e9
+    algorithm: str,
+    world_size: int,
+    nbytes: float,
+    alpha: float = 5e-6,
+    beta: float = 12.5e9,
+    link_beta: dict[tuple[int, int], float] | None = None,
 ) -> float:
     """Simulated seconds of one all-reduce of ``nbytes`` bytes with the course's ``algorithm``
     ("ring", "tree" or "naive") on ``world_size`` ranks. The code runs on one float32 element
-    per rank (so the ring's chunks are equal), each charged as ``nbytes / world_size`` bytes."""
+    per rank (so the ring's chunks are equal), each charged as ``nbytes / world_size`` bytes.
+    ``link_beta``: bandwidths of particular directed links, as in :class:`SimulatedNetwork`."""
     from dpcourse import collectives as C
 
     fn = C.ALL_REDUCES[algorithm]
@@ -197,7 +221,12 @@ def all_reduce_time(
         return x[0].item()
 
     result = run(
-        one_rank, world_size, alpha=alpha, beta=beta, bytes_scale=nbytes / (4 * world_size)
+        one_rank,
+        world_size,
+        alpha=alpha,
+        beta=beta,
+        bytes_scale=nbytes / (4 * world_size),
+        link_beta=link_beta,
     )
     expected = world_size * (world_size - 1) / 2
     if any(r != expected for r in result.results):  # the code really ran: check its answer
