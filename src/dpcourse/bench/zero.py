@@ -23,6 +23,7 @@ import argparse
 import statistics
 import time
 
+LR = 1e-4
 HELP = "ShardedOptimizer step time vs ZeroRedundancyOptimizer and DDP + Adam; state bytes/rank"
 
 
@@ -54,7 +55,7 @@ def _make(name: str, model):
 
     from dpcourse.zero import make_variant
 
-    return make_variant(name, model, torch.optim.Adam, lr=1e-4)
+    return make_variant(name, model, torch.optim.Adam, lr=LR)
 
 
 def time_on_rank(
@@ -78,7 +79,7 @@ def time_on_rank(
     y = torch.randn(batch, out, generator=g).to(device)
     runs = [(name, *_make(name, copy.deepcopy(base))) for name in variants]
     times: dict[str, list[float]] = {name: [] for name in variants}
-    slowest = torch.zeros(len(runs), dtype=torch.float64)
+    slowest = torch.zeros(len(runs), dtype=torch.float64, device=device)  # NCCL: on the GPU
     for i in range(warmup + repeats):
         for k, (_, module, opt, _) in enumerate(runs):
             dist.barrier()
@@ -92,17 +93,27 @@ def time_on_rank(
                 torch.cuda.synchronize(device)
             slowest[k] = time.perf_counter() - t0
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i + 1 == max(warmup, 1):
+            _check_agreement(runs)
         if i >= warmup:
             for k, name in enumerate(variants):
                 times[name].append(float(slowest[k]))
-    # the trained copies must agree (they saw the same data): a benchmark of a wrong
-    # implementation would be meaningless
-    ref = list(runs[0][1].parameters())
-    for name, module, _, _ in runs[1:]:
-        for a, b in zip(ref, module.parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5, msg=f"{name} diverged")
     state = {name: optimizer_state_bytes(local) for name, _, _, local in runs}
     return {"times": times, "state_bytes": state}
+
+
+def _check_agreement(runs) -> None:
+    """The copies must agree (they saw the same data): a benchmark of a wrong implementation
+    would be meaningless. Checked after the first steps only: the summation order of the
+    gradients differs between the variants, and over tens of Adam steps such rounding
+    differences grow (measured: up to 5e-4 after 23 steps on 4 ranks, for gloo's all-reduce
+    against our ring alone), while after 1 to 5 steps they stay below 1e-7."""
+    import torch
+
+    ref = torch.cat([p.detach().reshape(-1) for p in runs[0][1].parameters()])
+    for name, module, _, _ in runs[1:]:
+        got = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6, msg=f"{name} diverged")
 
 
 def bench_zero(
