@@ -241,6 +241,19 @@ def _bad_input_on_rank() -> dict:
     errors["instance"] = error(
         lambda: ShardedOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1))
     )
+    # a group whose parameters are all frozen is kept, empty; a scheduler drives the inner
+    # optimizer
+    m = make_model()
+    m[0].requires_grad_(False)
+    opt = ShardedOptimizer(
+        [{"params": m[0].parameters(), "lr": 1.0}, {"params": m[2].parameters()}],
+        torch.optim.SGD,
+        lr=0.1,
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    train(m, opt, 2)
+    scheduler.step()
+    errors["empty_group"] = [g[2] for g in opt.shard_ranges()], opt.param_groups[1]["lr"]
     errors["not_checkpoint"] = error(
         lambda: ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1).load_state_dict(
             {"state": {}}
@@ -258,6 +271,7 @@ def test_bad_input_gets_errors_that_say_what_to_do():
     assert "fully_shard" in errors["stage3"]
     assert errors["instance"].startswith("TypeError") and "the class" in errors["instance"]
     assert "not a ShardedOptimizer checkpoint" in errors["not_checkpoint"]
+    assert errors["empty_group"] == ([0, 35], 0.05)
 
 
 def test_no_process_group_is_a_clear_error():

@@ -124,6 +124,10 @@ class ShardedOptimizer:
 
     The parameters become views into one flat buffer per group (their ``.data`` is replaced;
     values are kept). A parameter without a gradient at ``step`` counts as a zero gradient.
+    Gradients are averaged inside ``step``, so code that reads ``.grad`` between backward and
+    ``step`` (gradient clipping, say) sees this rank's own gradients, not the average that DDP
+    would show. For a learning-rate scheduler, pass it the inner torch optimizer,
+    ``sharded.optimizer``.
     ``state_dict()`` is this rank's shard (a sharded checkpoint); load it on the same rank of
     the same world size. Chapter 9.
     """
