@@ -451,7 +451,7 @@ def fsdp_step_events(
 
 
 # ---------------------------------------------------------- side by side (chapter 9, bench)
-VARIANTS = ("DDP + Adam", "ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2")
+VARIANTS = ("DDP, unsharded", "ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2")
 
 
 def make_variant(
@@ -459,8 +459,8 @@ def make_variant(
 ) -> tuple[nn.Module, Any, Any]:
     """One way to train ``model`` on every rank of a process group, by ``name``:
 
-    * ``"DDP + Adam"``: torch's ``DistributedDataParallel`` and an unsharded ``optimizer_cls``
-      (plain data parallelism; the name is kept whatever the optimizer);
+    * ``"DDP, unsharded"``: torch's ``DistributedDataParallel`` and an unsharded
+      ``optimizer_cls`` (plain data parallelism);
     * ``"ZeroRedundancyOptimizer"``: torch's DDP and ``ZeroRedundancyOptimizer(optimizer_cls)``;
     * ``"ShardedOptimizer"`` / ``"ShardedOptimizer s2"``: :class:`ShardedOptimizer`, stage 1 / 2.
 
@@ -469,7 +469,7 @@ def make_variant(
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    if name == "DDP + Adam":
+    if name == "DDP, unsharded":
         opt = optimizer_cls(model.parameters(), **kwargs)
         return DistributedDataParallel(model), opt, opt
     if name == "ZeroRedundancyOptimizer":
