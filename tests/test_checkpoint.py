@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dpcourse import checkpoint as C
-from dpcourse.launch import RankDiedError, run_ranks
+from dpcourse.launch import RankError, run_ranks
 
 TIMEOUT = 120.0
 
@@ -325,6 +325,6 @@ def _rank_dies_while_saving(directory):
 
 
 def test_a_rank_dying_during_a_sharded_save_leaves_the_previous_manifest(tmp_path):
-    with pytest.raises(RankDiedError):
+    with pytest.raises(RankError, match="died"):  # rank 0 may fail first (gloo), naming it
         run_ranks(_rank_dies_while_saving, 2, tmp_path, timeout=60)
     assert C.latest_checkpoint(tmp_path)["step"] == 1

@@ -98,6 +98,28 @@ def _data_and_model(args: argparse.Namespace):
     return dataset, data.collate_seq2seq, model, models.sequence_cross_entropy
 
 
+def _store_for_this_attempt(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, a client of torchrun's own store with a prefix for this restart attempt.
+
+    After a restart (``--max-restarts``), the new workers meet in the store that the agent keeps
+    across attempts, where the old workers' addresses are still written; with plain ``env://``
+    the new ones could read those and try to connect to dead processes (we saw hangs and
+    "connection refused"). A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps each
+    attempt's keys apart. None (use ``env://``) when torchrun does not host the store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/dpcourse/attempt_{attempt}", store)
+
+
 def _fingerprint(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
@@ -112,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- the process group: torchrun's environment, or the one run_ranks made, or none
     started_group = False
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        runtime.init_process_group(timeout=datetime.timedelta(seconds=args.timeout))
+        timeout = datetime.timedelta(seconds=args.timeout)
+        runtime.init_process_group(store=_store_for_this_attempt(timeout), timeout=timeout)
         started_group = True
     info = runtime.current()
     rank, world, device = info.rank, info.world_size, info.device
