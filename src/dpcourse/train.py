@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- the training loop
     losses: list[float] = []
-    t0 = time.perf_counter()
+    t_log, step_log = time.perf_counter(), step
     while step < args.steps:
         epoch, done_in_epoch = divmod(step, len(loader))
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if marker is None or not marker.exists():
                     if marker is not None:
                         marker.touch()
-                    print(f"[rank {rank}] crashing at step {step} (--crash-at-step)", flush=True)
+                    print(f"rank {rank}: crashing at step {step} (--crash-at-step)", flush=True)
                     os._exit(1)  # no exception, no cleanup: as if the machine had died
             lr = lr_at(step, args.lr, world, args.warmup, args.lr_scaling)
             for group in optimizer.param_groups:
@@ -260,8 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
                     dist.all_reduce(mean_loss)
                     mean_loss /= world
                 losses.append(mean_loss.item())
-                ms = (time.perf_counter() - t0) * 1e3 / max(len(losses), 1)
-                log(f"step {step:5d} | loss {losses[-1]:.4f} | lr {lr:.2e} | {ms:.0f} ms/log")
+                ms = (time.perf_counter() - t_log) * 1e3 / (step - step_log)
+                t_log, step_log = time.perf_counter(), step
+                log(f"step {step:5d} | loss {losses[-1]:.4f} | lr {lr:.2e} | {ms:.1f} ms/step")
             if args.checkpoint_dir is not None and (
                 (args.checkpoint_every and step % args.checkpoint_every == 0) or step == args.steps
             ):
