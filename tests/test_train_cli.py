@@ -23,13 +23,15 @@ TIMEOUT = 240  # seconds for one torchrun job (the machine may be busy)
 COMMON = ["--steps", "12", "--batch-size", "8", "--num-samples", "256", "--log-every", "4"]
 
 
-def torchrun(nproc: int, *args: str, max_restarts: int = 0) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, *args: str, max_restarts: int = 0, env: dict | None = None
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
         "-m", "dpcourse.train", *args,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
 
 
@@ -82,14 +84,21 @@ def test_strategies_reach_the_same_weights(strategy_runs):
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_a_crashed_group_which_resumes_exactly(tmp_path, strategy_runs):
+@pytest.mark.parametrize("share_store", ["shared", "fresh"])
+def test_torchrun_restarts_a_crashed_group_which_resumes_exactly(
+    tmp_path, strategy_runs, share_store
+):
     """Rank 1 dies at step 7 (once: a marker file); torchrun restarts both ranks, which resume
-    from the checkpoint of step 4 and end with the weights of the run that never crashed."""
+    from the checkpoint of step 4 and end with the weights of the run that never crashed. With
+    torchrun's store shared across restarts (the default; the trainer prefixes its keys per
+    attempt) and with a fresh store per attempt (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, what
+    slurm/train.sbatch sets)."""
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1" if share_store == "fresh" else "0"}
     args = [*COMMON, "--strategy", "ddp-torch", "--grad-clip", "0", "--checkpoint-every", "4"]
     args += ["--checkpoint-dir", str(tmp_path / "ckpt"), "--crash-at-step", "7"]
     args += ["--crash-marker", str(tmp_path / "crashed-once")]
     start = time.monotonic()
-    proc = torchrun(2, *args, max_restarts=1)
+    proc = torchrun(2, *args, max_restarts=1, env=env)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output
     assert (tmp_path / "crashed-once").exists()
@@ -205,3 +214,4 @@ def test_sbatch_torchrun_command_line_parses():
     text = SBATCH.read_text()
     assert "scontrol show hostnames" in text and "head -n1" in text
     assert "#SBATCH --nodes=2" in text
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text  # restarts on several nodes

@@ -99,15 +99,31 @@ def _data_and_model(args: argparse.Namespace):
 
 
 def _store_for_this_attempt(timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, a client of torchrun's own store with a prefix for this restart attempt.
+    """Under torchrun on one node, a client of torchrun's store with a prefix per restart attempt.
 
-    After a restart (``--max-restarts``), the new workers meet in the store that the agent keeps
-    across attempts, where the old workers' addresses are still written; with plain ``env://``
-    the new ones could read those and try to connect to dead processes (we saw hangs and
-    "connection refused"). A prefix per attempt (``TORCHELASTIC_RESTART_COUNT``) keeps each
-    attempt's keys apart. None (use ``env://``) when torchrun does not host the store.
+    torchrun shares its rendezvous store with the workers (``TORCHELASTIC_USE_AGENT_STORE``).
+    After a restart (``--max-restarts``) the new workers meet in that same store, where the old
+    workers' addresses are still written: with plain ``env://`` they can read those and connect
+    to dead processes (we saw hangs and "connection refused"; pytorch/pytorch#135712). A prefix
+    per attempt keeps each attempt's keys apart. ``TORCHELASTIC_RESTART_COUNT`` is counted by
+    each node's agent, so it is the same on every worker only on one node; on several nodes this
+    returns None and warns unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` was given to
+    torchrun (as ``slurm/train.sbatch`` does), which makes torchrun use a fresh store per attempt.
+    None (plain ``env://``) when torchrun does not share its store.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        if (
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and os.environ.get("RANK") == "0"
+        ):
+            print(
+                "warning: restarts on several nodes can hang with torchrun's shared store; "
+                "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun "
+                "(pytorch/pytorch#135712)",
+                flush=True,
+            )
         return None
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
