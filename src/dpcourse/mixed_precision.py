@@ -121,13 +121,16 @@ def amp_dp_step(
 
 
 def _clipping_problem(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    from dpcourse.runtime import device
+
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 2))
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(32, 5, generator=g)
     # ranks get very different data, so their local gradients differ a lot
     y = torch.randn(32, 2, generator=g) + torch.arange(32).unsqueeze(1) / 4
-    return model, x, y
+    dev = device()  # the rank's device: NCCL all-reduces only CUDA tensors
+    return model.to(dev), x.to(dev), y.to(dev)
 
 
 def clipping_order_on_rank(max_norm: float = 0.5) -> dict[str, list[torch.Tensor]]:
@@ -159,7 +162,8 @@ def clipping_order_on_rank(max_norm: float = 0.5) -> dict[str, list[torch.Tensor
     nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     average_gradients(model)
     wrong = grads()
-    return {"single": single, "reduce_then_clip": right, "clip_then_reduce": wrong}
+    cpu = lambda ts: [t.cpu() for t in ts]  # noqa: E731
+    return {"single": cpu(single), "reduce_then_clip": cpu(right), "clip_then_reduce": cpu(wrong)}
 
 
 def inf_on_one_rank(order: str) -> dict[str, object]:
@@ -176,12 +180,14 @@ def inf_on_one_rank(order: str) -> dict[str, object]:
         raise ValueError(
             f"order must be 'reduce_then_unscale' or 'unscale_then_reduce', not {order!r}"
         )
-    rank = dist.get_rank()
+    from dpcourse.runtime import device
+
+    rank, dev = dist.get_rank(), device()
     torch.manual_seed(0)
-    model = nn.Linear(4, 1)
+    model = nn.Linear(4, 1).to(dev)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    loss = model(torch.ones(2, 4)).sum()
+    scaler = torch.amp.GradScaler(dev.type, init_scale=2.0**16)
+    loss = model(torch.ones(2, 4, device=dev)).sum()
     scaler.scale(loss).backward()
     if rank == 1:
         model.weight.grad[0, 0] = float("inf")  # this rank's scaled gradient overflowed
@@ -196,6 +202,6 @@ def inf_on_one_rank(order: str) -> dict[str, object]:
     scaler.update()
     return {
         "stepped": not torch.equal(before, model.weight.detach()),
-        "weight": model.weight.detach().clone(),
+        "weight": model.weight.detach().cpu(),
         "scale": scaler.get_scale(),
     }

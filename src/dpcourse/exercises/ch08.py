@@ -85,13 +85,12 @@ def atomic_save(fn: Callable) -> str:
             good = {"step": 2, "w": torch.arange(6.0) * 2}
             call_learner(fn, good, str(target))
             renames_before_failure = list(renames)
-            failed = False
             try:
                 fn({"step": 3, "w": torch.zeros(1000), "bad": _Unpicklable()}, str(target))
             except NotImplementedError:
                 raise
             except Exception:
-                failed = True  # raising is fine (and right): the caller must know
+                pass  # raising is fine (and right: the caller must know the save failed)
         finally:
             os.replace, os.rename, os.fsync = real_replace, real_rename, real_fsync
         if not target.exists():
@@ -133,7 +132,6 @@ def atomic_save(fn: Callable) -> str:
                 f"files were left next to the target: {leftovers}. Remove the temporary file "
                 "when the write fails (try/except, then re-raise)"
             )
-        del failed
     return "a failed write leaves the previous file intact; temporary file beside it, fsynced"
 
 
@@ -176,10 +174,13 @@ def _variant_step(model, x, y, optimizer, scaler, order):
 
 
 def _amp_setup(rank: int):
+    from dpcourse.runtime import device
+
+    dev = device()  # the rank's device (NCCL all-reduces only CUDA tensors)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)).to(dev)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler(dev.type, init_scale=2.0**10)
     g = torch.Generator().manual_seed(10 + rank)  # every rank its own data
     batches = [(torch.randn(8, 6, generator=g) * (1 + rank), torch.randn(8, 2, generator=g))
                for _ in range(3)]  # fmt: skip
@@ -187,7 +188,7 @@ def _amp_setup(rank: int):
     if rank == 1:
         x_bad[0, 0] = 1e30  # rank 1's forward overflows float16: its gradients are inf/NaN
     batches.append((x_bad, batches[0][1]))
-    return model, optimizer, scaler, batches
+    return model, optimizer, scaler, [(x.to(dev), y.to(dev)) for x, y in batches]
 
 
 def _amp_on_rank(fn: Callable) -> list[str]:
@@ -258,6 +259,8 @@ def amp_step(fn: Callable) -> str:
 def _stats_on_rank(fn: Callable, sizes: list[int]) -> list[str]:
     import torch.distributed as dist
 
+    from dpcourse.runtime import device
+
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(len(sizes))
     full = torch.randn(sum(sizes), 3, generator=g, dtype=torch.float64)
@@ -265,11 +268,11 @@ def _stats_on_rank(fn: Callable, sizes: list[int]) -> list[str]:
     full += torch.repeat_interleave(offsets, torch.tensor(sizes)).unsqueeze(1)
     start = sum(sizes[:rank])
     mine = full[start : start + sizes[rank]]
-    got = fn(mine.clone())
+    got = fn(mine.clone().to(device()))  # float64 on the rank's device
     where = f"{len(sizes)} ranks with batches of {sizes}"
     if not (isinstance(got, (tuple, list)) and len(got) == 2):
         return [f"{where}: expected (mean, var), got {type(got).__name__}"]
-    mean, var = got
+    mean, var = (t.cpu() if isinstance(t, torch.Tensor) else t for t in got)
     want_mean, want_var = full.mean(0), full.var(0, unbiased=False)
     chunks = torch.split(full, sizes)
     mean_of_means = torch.stack([c.mean(0) for c in chunks]).mean(0)
