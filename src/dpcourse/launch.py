@@ -351,7 +351,11 @@ class RankPool:
             ready = wait(handles + list(fds), timeout=min(deadline - now, 0.5))
             for obj in ready:
                 if isinstance(obj, int):
-                    self._forward(fds[obj], obj)
+                    r = fds[obj]
+                    # A death error earlier in this loop may have drained and closed this fd
+                    # (its number may even be reused by now): forward only if it is still open.
+                    if obj in (r.out, r.err):
+                        self._forward(r, obj)
                     continue
                 rank = by_conn[obj]
                 try:
