@@ -149,9 +149,10 @@ def make_student_edition(root: Path, out: Path) -> list[Path]:
 def solution_lines(root: Path, min_length: int = 25) -> list[str]:
     """Distinctive lines of every solution in the book at ``root`` (directive bodies and marked
     code), for checking that a student edition does not leak them. Lines that also appear
-    outside the solutions (a common ``rank = dist.get_rank()``) are not distinctive."""
+    outside the solutions (a common ``rank = dist.get_rank()``, or a call the narrative quotes
+    inline) are not distinctive."""
     secret: set[str] = set()
-    public: set[str] = set()
+    public: list[str] = []
     for path in sorted((Path(root) / "chapters").rglob("*")):
         if path.suffix == ".ipynb":
             cells = json.loads(path.read_text())["cells"]
@@ -166,6 +167,12 @@ def solution_lines(root: Path, min_length: int = 25) -> list[str]:
             for code in re.findall(rf"{BEGIN}\n(.*?){END}", src, re.S):
                 secret.update(ln.strip() for ln in code.splitlines())
             stripped = strip_solution_code(strip_solution_directives(src))
-            public.update(ln.strip() for ln in stripped.splitlines())
-    return sorted(ln for ln in secret - public
-                  if len(ln) >= min_length and not ln.startswith(("```", ":class:", ":::")))
+            public.append(stripped)
+    public_text = "\n".join(public)
+    return sorted(
+        ln
+        for ln in secret
+        if len(ln) >= min_length
+        and not ln.startswith(("```", ":class:", ":::"))
+        and ln not in public_text
+    )
