@@ -122,6 +122,31 @@ def _checks_on_rank() -> dict:
     out["stage2_grads_freed"] = all(p.grad is None for p in model.parameters())
     out["stage2_grad_numel"] = sum(s.grad.numel() for s in opt.shards)
 
+    # Stage 1 holds each gradient once: after backward every .grad is a view of the flat
+    # gradient buffer. Two backward passes before step() accumulate into it, like one pass on
+    # both batches together (SGD, so the comparison is linear and tight).
+    model, ref = make_model(), make_model()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    (x0, y0), (x1, y1) = batch(0, rank), batch(1, rank)
+    for x, y in ((x0, y0), (x1, y1)):
+        nn.functional.mse_loss(model(x), y).backward()
+    flat = opt._groups[0].grad
+    inside = [
+        flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.nbytes
+        for p in model.parameters()
+    ]
+    opt.step()
+    loss = nn.functional.mse_loss(ref(x0), y0) + nn.functional.mse_loss(ref(x1), y1)
+    loss.backward()
+    for p in ref.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    ref_opt.step()
+    out["stage1_grads_are_views"] = all(inside)
+    out["stage1_accumulation"] = close(list(model.parameters()), list(ref.parameters()))
+    out["stage1_grads_freed"] = all(p.grad is None for p in model.parameters())
+
     # A sharded checkpoint resumes exactly: 5 steps, save, 5 more == load, the same 5 more.
     model = make_model()
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **adamw)
@@ -196,6 +221,8 @@ def test_stage_2_matches_and_keeps_only_the_gradient_shard(results):
     world, per_rank = results
     for rank, r in enumerate(per_rank):
         assert r["stage2"] <= ATOL + RTOL and r["stage2_grads_freed"]
+        assert r["stage1_grads_are_views"] and r["stage1_grads_freed"]
+        assert r["stage1_accumulation"] <= ATOL + RTOL
         start, end = chunk_bounds(71, world)[rank]
         assert r["stage2_grad_numel"] == end - start
 
@@ -409,7 +436,8 @@ def test_train_variants_side_by_side():
             assert r[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert ref["losses"][-1] < ref["losses"][0]
         assert ref["state_bytes"] == 2 * 4 * 71 + 4 * 4
-        assert r["ShardedOptimizer"]["grad_bytes"] == 2 * 4 * 71  # .grad and the flat buffer
+        # one flat buffer; the model's .grad were views of it and are gone after step()
+        assert r["ShardedOptimizer"]["grad_bytes"] == 4 * 71
     shards = [e - s for s, e in chunk_bounds(71, 3)]
     assert [r["ShardedOptimizer s2"]["grad_bytes"] for r in per_rank] == [4 * n for n in shards]
     assert [r["ShardedOptimizer"]["state_bytes"] for r in per_rank] == [8 * n + 4 for n in shards]

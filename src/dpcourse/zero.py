@@ -106,6 +106,20 @@ class _FlatGroup:
         return self.flat.numel()
 
 
+def _into_flat(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    """A post-accumulate-grad hook: move the parameter's fresh gradient into ``view`` (its
+    place in the flat gradient buffer) and make ``.grad`` that view, so that the gradient is
+    held once, as DDP's ``gradient_as_bucket_view`` does (chapter 7). Later backward passes
+    then accumulate straight into the buffer."""
+
+    def hook(param: torch.Tensor) -> None:
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
+    return hook
+
+
 class ShardedOptimizer:
     """ZeRO stage 1 (or 2): each rank keeps the optimizer state of 1/N of the parameters.
 
@@ -117,10 +131,12 @@ class ShardedOptimizer:
     All of a rank's trainable parameters must be on one device, and those of a group of one
     dtype; every rank must pass the same parameters in the same order.
 
-    ``stage=1`` shards the optimizer state; ``stage=2`` also keeps only this rank's shard of the
-    gradients (the full ones are freed after the reduce-scatter, and ``p.grad`` is ``None``
-    after ``step``). ``broadcast_parameters`` (default) copies rank 0's parameters to every rank
-    at construction, so that the replicas start equal, as DDP does.
+    ``stage=1`` shards the optimizer state and keeps one flat gradient buffer per group, which
+    the model's ``.grad`` become views of during backward (a hook moves each gradient there as
+    it is produced); ``stage=2`` keeps only this rank's shard of the gradients (the full ones
+    are freed after the reduce-scatter). After ``step`` every ``p.grad`` is ``None``.
+    ``broadcast_parameters`` (default) copies rank 0's parameters to every rank at
+    construction, so that the replicas start equal, as DDP does.
 
     The parameters become views into one flat buffer per group (their ``.data`` is replaced;
     values are kept). A parameter without a gradient at ``step`` counts as a zero gradient.
@@ -206,6 +222,9 @@ class ShardedOptimizer:
         shard = nn.Parameter(flat[s0:s1])  # a view: stepping it updates flat in place
         grad = torch.zeros_like(flat) if self.stage == 1 else None
         shard.grad = grad[s0:s1] if grad is not None else torch.zeros_like(flat[s0:s1])
+        if grad is not None:
+            for p, (s, e) in zip(params, offsets, strict=True):
+                p.register_post_accumulate_grad_hook(_into_flat(grad[s:e].view_as(p)))
         return _FlatGroup(params, offsets, flat, grad, s0, s1, shard)
 
     # ----------------------------------------------------------------------------- step
@@ -225,7 +244,7 @@ class ShardedOptimizer:
             for p, (s, e) in zip(g.params, g.offsets, strict=True):
                 if p.grad is None:
                     flat_grad[s:e].zero_()
-                else:
+                elif p.grad.data_ptr() != flat_grad[s:e].data_ptr():  # not moved by the hook
                     flat_grad[s:e].copy_(p.grad.reshape(-1))
             if self.world_size > 1:
                 _reduce_scatter_(flat_grad, "sum", self.rank, self.world_size)
@@ -233,9 +252,11 @@ class ShardedOptimizer:
                 g.shard.grad.div_(self.world_size)  # a view of flat_grad[start:end]
             else:
                 torch.div(flat_grad[g.start : g.end], self.world_size, out=g.shard.grad)
-                for p in g.params:  # only this rank's shard of the gradients survives
-                    p.grad = None
                 del flat_grad
+            # Only this rank's shard of the reduced gradient is meaningful now (stage 1's
+            # buffer holds partial sums elsewhere): the model's gradients go.
+            for p in g.params:
+                p.grad = None
         self.optimizer.step()
         for g in self._groups:
             if self.world_size > 1 and g.numel > 0:
@@ -270,8 +291,8 @@ class ShardedOptimizer:
         return [g.shard for g in self._groups]
 
     def gradient_bytes(self) -> int:
-        """Bytes of the gradient buffers this optimizer holds (not counting the model's
-        ``.grad``): the flat gradient buffers at stage 1, only the shards at stage 2."""
+        """Bytes of the gradient buffers this optimizer holds (the model's ``.grad`` are views
+        of them during backward): the flat gradient buffers at stage 1, the shards at stage 2."""
         held = [g.grad for g in self._groups if g.grad is not None]
         if self.stage == 2:
             held = [g.shard.grad for g in self._groups]
