@@ -36,16 +36,8 @@ def buckets_in_forward_order(sizes, cap):
     return buckets + ([current] if current else [])
 
 
-def buckets_that_spill(sizes, cap):
-    """Adds first, then closes a bucket once it reaches the cap (a large one joins the last)."""
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(sizes))):
-        current.append(i)
-        size += sizes[i]
-        if size >= cap:
-            buckets.append(current)
-            current, size = [], 0
-    return buckets + ([current] if current else [])
+# torch's rule (add, then close the bucket once it reaches the cap), as the check knows it.
+buckets_that_spill = ch07._spilling
 
 
 def one_bucket_each_but_forgets_the_last(sizes, cap):

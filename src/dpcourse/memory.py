@@ -385,6 +385,13 @@ def will_it_fit(
     return fits, MemoryBreakdown(**parts, activations=activation_bytes, note=note)
 
 
+def _check_stage_and_world(stage: int, world_size: int) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+
+
 def zero_memory_per_rank(num_params: int, world_size: int, stage: int, k: int = 12) -> int:
     """Bytes per rank for model states under ZeRO, mixed-precision Adam (Rajbhandari et al. 2020).
 
@@ -398,10 +405,7 @@ def zero_memory_per_rank(num_params: int, world_size: int, stage: int, k: int = 
 
     Rounded up to whole bytes. Activations are not included. Chapter 9 plots it.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    _check_stage_and_world(stage, world_size)
     if num_params < 0 or k < 0:
         raise ValueError("num_params and k must be non-negative")
     replicated, sharded = {0: (4 + k, 0), 1: (4, k), 2: (2, 2 + k), 3: (0, 4 + k)}[stage]
@@ -472,10 +476,7 @@ def memory_per_rank(
     them. With ``precision="mixed"`` and Adam the total equals :func:`zero_memory_per_rank` to
     within the rounding of each part (2 bytes). Chapter 9.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    _check_stage_and_world(stage, world_size)
     if num_params < 0 or activation_bytes < 0:
         raise ValueError("num_params and activation_bytes must be non-negative")
     prec, name = _precision(precision), _optimizer_name(optimizer)

@@ -317,27 +317,6 @@ def _slowest(seconds: float, device: torch.device) -> float:
     return float(t.item())
 
 
-def _all_reduce_medians(sizes: Sequence[int], repeats: int, device: torch.device) -> list[float]:
-    """Median seconds of ``dist.all_reduce`` of float32 tensors of ``sizes`` bytes, each after a
-    barrier and counted on the slowest rank (as :mod:`dpcourse.commbench` does, on any backend)."""
-    import torch.distributed as dist
-
-    medians = []
-    for size in sizes:
-        x = torch.ones(max(size // 4, 1), device=device)
-        dist.all_reduce(x)  # warm-up: the first call sets up buffers and connections
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            _sync(device)
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            _sync(device)
-            times.append(_slowest(time.perf_counter() - start, device))
-        medians.append(statistics.median(times))
-    return medians
-
-
 def ddp_step_times_on_rank(
     per_rank_batches: Sequence[int],
     hidden: int = 512,
@@ -401,7 +380,9 @@ def ddp_step_times_on_rank(
             out[name].append(statistics.median(times[name]))
     comm = [0.0] * len(comm_sizes)
     if world > 1:
-        comm = _all_reduce_medians(comm_sizes, comm_repeats, device)
+        from dpcourse.commbench import time_all_reduce_on_rank
+
+        comm = time_all_reduce_on_rank(comm_sizes, ("library",), comm_repeats)["library"]
     return {
         "world_size": world,
         "device": str(device),

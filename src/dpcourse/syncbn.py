@@ -33,6 +33,11 @@ from torch import nn
 __all__ = ["stats_from_sums", "global_batch_stats", "SyncBatchNorm", "convert_sync_batchnorm"]
 
 
+def _several_ranks() -> bool:
+    """Whether a process group of more than one rank is there to sum the statistics over."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def stats_from_sums(
     total: torch.Tensor, total_sq: torch.Tensor, count: int | float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +65,7 @@ def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     total, total_sq = _per_channel(x.detach().float())
     count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float32, device=x.device)
     packed = torch.cat([total, total_sq, count])  # one message instead of three
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if _several_ranks():
         dist.all_reduce(packed)
     c = x.shape[1]
     return stats_from_sums(packed[:c], packed[c : 2 * c], packed[-1].item())
@@ -88,7 +93,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sum_dy_xhat = (dy * xhat).sum(dims)
         c = dy.shape[1]
         packed = torch.cat([sum_dy, sum_dy_xhat, sum_dy.new_tensor([ctx.count])])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _several_ranks():
             dist.all_reduce(packed)  # the means in the gradient are over the global batch
         mean_dy = packed[:c] / packed[-1]
         mean_dy_xhat = packed[c : 2 * c] / packed[-1]

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from dpcourse import checkpoint, runtime
 from dpcourse.lr_schedule import RULES, lr_at
+from dpcourse.mixed_precision import average_gradients
 
 STRATEGIES = ("single", "manual", "ddp-scratch", "ddp-torch", "zero")
 MODELS = ("mlp", "transformer")
@@ -253,10 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
 
             # average the (scaled) gradients over the ranks
             if args.strategy == "manual":
-                for p in raw_model.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad)
-                        p.grad /= world
+                average_gradients(raw_model)
             elif args.strategy == "ddp-scratch":
                 model.finish_gradient_synchronization()
             # (ddp-torch synchronised during backward; zero does it inside optimizer.step())
