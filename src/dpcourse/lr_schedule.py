@@ -95,6 +95,7 @@ def large_batch_run(
     """
     from dpcourse.data import random_regression
     from dpcourse.models import MLP
+    from dpcourse.training import train_step
 
     x, y = random_regression(4096, seed=1).tensors
     batch = world_size * per_rank_batch
@@ -111,12 +112,9 @@ def large_batch_run(
         for group in optimizer.param_groups:
             group["lr"] = lr
         idx = torch.randint(0, len(x), (batch,), generator=g)
-        loss = torch.nn.functional.mse_loss(model(x[idx]), y[idx])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss = train_step(model, (x[idx], y[idx]), optimizer, torch.nn.functional.mse_loss)
         run.lrs.append(lr)
-        run.losses.append(loss.item())
+        run.losses.append(loss)
         run.samples.append((step + 1) * batch)
     with torch.no_grad():
         run.final_loss = torch.nn.functional.mse_loss(model(x), y).item()
