@@ -239,24 +239,32 @@ def test_ring_on_cuda_with_nccl():
     assert all(run_ranks(on_cuda, 2, "nccl"))
 
 
-def pipelined_ring(piece: int) -> bool:
+def ring_both_ways(ahead: bool) -> bool:
+    """The ring with receives posted ahead (gloo, MPI) and step by step (what NCCL runs),
+    forced here on gloo so that the NCCL path is tested without GPUs."""
     from dpcourse.collectives import ring
 
-    ring.PIPELINE_PIECE = piece  # this rank's process only
+    ring.posts_ahead = lambda: ahead  # this rank's process only
     ok = []
     for n in (0, 1, 3, 13, 50, 101, 1000):
-        x = torch.randint(-9, 10, (n,)).float()
-        want = x.clone()
-        dist.all_reduce(want)
-        with C.count_traffic() as t:
-            got = C.ring_all_reduce(x.clone())
-        chunks = [e - s for s, e in chunk_bounds(n, dist.get_world_size())]
-        r = dist.get_rank()
-        expected_bytes = 4 * ((n - chunks[r]) + (n - chunks[(r + 1) % len(chunks)]))
-        ok.append(torch.equal(got, want) and t.bytes_sent == expected_bytes)
+        for op in ("sum", "max"):
+            x = torch.randint(-9, 10, (n,)).float()
+            want = x.clone()
+            dist.all_reduce(want, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+            with C.count_traffic() as t:
+                got = C.ring_all_reduce(x.clone(), op)
+            chunks = [e - s for s, e in chunk_bounds(n, dist.get_world_size())]
+            r = dist.get_rank()
+            expected_bytes = 4 * ((n - chunks[r]) + (n - chunks[(r + 1) % len(chunks)]))
+            ok.append(torch.equal(got, want) and t.bytes_sent == expected_bytes)
+        parts = C.ring_all_gather(torch.full((3,), float(dist.get_rank())))
+        ok.append(all(torch.equal(p, torch.full((3,), float(i))) for i, p in enumerate(parts)))
     return all(ok)
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["posted-ahead", "step-by-step"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_pipelined_ring_equals_library_and_sends_the_same_bytes(world_size):
-    assert all(run_ranks(pipelined_ring, world_size, 7))
+def test_both_ways_of_running_the_ring_equal_the_library_and_send_the_same_bytes(
+    world_size, ahead
+):
+    assert all(run_ranks(ring_both_ways, world_size, ahead))

@@ -5,8 +5,9 @@ Chapters 5 and 6 build broadcast, reduce and all-reduce out of nothing but ``sen
 
 * **counts** the bytes and messages each rank sends and receives (:func:`count_traffic`), so the
   chapters can check the formulas: the ring sends 2(N-1)/N of the data per rank, whatever N;
-* **posts receives before sends** (:func:`exchange`): gloo moves data only once the receiver has
-  posted its receive, so "everyone sends, then everyone receives" would deadlock on a ring;
+* **posts receives before sends** (:func:`exchange`, :func:`irecv`): gloo moves data only once
+  the receiver has posted its receive, so "everyone sends, then everyone receives" would
+  deadlock on a ring, and a receive posted early spares the sender a round trip to ask for it;
 * **stages CUDA tensors through the CPU** when the backend is gloo, whose send and recv take CPU
   tensors only; with NCCL, tensors go GPU to GPU;
 * can be pointed at a **simulated network** instead of torch.distributed
@@ -24,8 +25,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Traffic", "count_traffic", "send", "recv", "exchange", "exchange_pieces",
-           "rank_and_size"]
+__all__ = [
+    "Traffic",
+    "count_traffic",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "Handle",
+    "exchange",
+    "posts_ahead",
+    "rank_and_size",
+]
 
 
 @dataclass
@@ -114,76 +125,90 @@ def recv(tensor: torch.Tensor, src: int) -> None:
         dist.recv(tensor, src)
 
 
+class Handle:
+    """A posted send or receive (from :func:`isend` / :func:`irecv`); ``wait()`` blocks until
+    it is done. For a receive, the data is in the tensor only after ``wait()``."""
+
+    def __init__(self, work=None, ticket=None, staged=None, target=None):
+        self._work, self._ticket, self._staged, self._target = work, ticket, staged, target
+
+    def wait(self) -> None:
+        if self._ticket is not None:
+            _network().wait(_simulated.rank, self._ticket)
+        elif self._work is not None:
+            self._work.wait()
+        if self._staged is not None:  # a CUDA tensor received over gloo, through the CPU
+            self._target.copy_(self._staged)
+        self._work = self._ticket = self._staged = None  # waiting twice is harmless
+
+
+def irecv(tensor: torch.Tensor, src: int) -> Handle:
+    """Post a receive from rank ``src`` into ``tensor`` (counted); returns at once.
+
+    An empty tensor posts nothing: the sender skips its empty send too.
+    """
+    if tensor.numel() == 0:
+        return Handle()
+    _record("recv", src, tensor)
+    if (net := _network()) is not None:
+        return Handle(ticket=net.post_recv(_simulated.rank, src, tensor))
+    if _needs_staging(tensor):
+        staged = torch.empty_like(tensor, device="cpu")
+        return Handle(work=dist.irecv(staged, src), staged=staged, target=tensor)
+    return Handle(work=dist.irecv(tensor, src))
+
+
+def isend(tensor: torch.Tensor, dst: int) -> Handle:
+    """Post a send of ``tensor`` to rank ``dst`` (counted); returns at once. Leave ``tensor``
+    unchanged until the handle's ``wait()`` returns. An empty tensor sends nothing."""
+    if tensor.numel() == 0:
+        return Handle()
+    _record("send", dst, tensor)
+    if (net := _network()) is not None:
+        return Handle(ticket=net.post_send(_simulated.rank, dst, tensor))
+    return Handle(work=dist.isend(tensor.cpu() if _needs_staging(tensor) else tensor, dst))
+
+
+def posts_ahead() -> bool:
+    """Whether receives may be posted long before their data is sent (see chapter 6).
+
+    True for gloo (and MPI, and the simulated network): a posted receive waits in the
+    background while this rank goes on sending and adding. False for NCCL, where every send and
+    receive is a kernel queued on a CUDA stream: a receive posted early would block the stream,
+    and the sends queued behind it, until its data came, which can be never. With NCCL the
+    collectives move one step at a time (:func:`exchange`).
+    """
+    return _network() is not None or dist.get_backend() != "nccl"
+
+
 def exchange(
     send_tensor: torch.Tensor | None, dst: int, recv_tensor: torch.Tensor | None, src: int
 ) -> None:
     """Send ``send_tensor`` to ``dst`` while receiving ``recv_tensor`` from ``src``.
 
-    The receive is posted first and both run asynchronously, so a ring of ranks that all call
-    this at once never deadlocks. Either side may be ``None`` (or empty) to skip it.
+    The receive is posted first and both run at once, so a ring of ranks that all call this at
+    once never deadlocks. With NCCL the pair is launched as one group
+    (``dist.batch_isend_irecv``): two separate operations to the same peer (a ring of 2, where
+    left and right are the same rank) would queue the receive in front of the send on one
+    stream, on both ranks. Either side may be ``None`` (or empty) to skip it.
     """
-    if (net := _network()) is not None:
-        me, tickets = _simulated.rank, []
-        if recv_tensor is not None and recv_tensor.numel() > 0:
+    has_recv = recv_tensor is not None and recv_tensor.numel() > 0
+    has_send = send_tensor is not None and send_tensor.numel() > 0
+    if _network() is None and dist.get_backend() == "nccl":
+        ops = []
+        if has_recv:
             _record("recv", src, recv_tensor)
-            tickets.append(net.post_recv(me, src, recv_tensor))
-        if send_tensor is not None and send_tensor.numel() > 0:
+            ops.append(dist.P2POp(dist.irecv, recv_tensor, src))
+        if has_send:
             _record("send", dst, send_tensor)
-            tickets.append(net.post_send(me, dst, send_tensor))
-        for ticket in tickets:
-            net.wait(me, ticket)
+            ops.append(dist.P2POp(dist.isend, send_tensor, dst))
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
         return
-    works = []
-    staged = None
-    if recv_tensor is not None and recv_tensor.numel() > 0:
-        _record("recv", src, recv_tensor)
-        staged = (
-            torch.empty_like(recv_tensor, device="cpu") if _needs_staging(recv_tensor) else None
-        )
-        works.append(dist.irecv(staged if staged is not None else recv_tensor, src))
-    if send_tensor is not None and send_tensor.numel() > 0:
-        _record("send", dst, send_tensor)
-        out = send_tensor.cpu() if _needs_staging(send_tensor) else send_tensor
-        works.append(dist.isend(out, dst))
-    for w in works:
-        w.wait()
-    if staged is not None:
-        recv_tensor.copy_(staged)
-
-
-def exchange_pieces(
-    send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int, piece: int
-) -> Iterator[slice]:
-    """Like :func:`exchange` for 1-d tensors, cut into pieces of ``piece`` elements, yielding
-    the slice of each received piece as soon as it has arrived.
-
-    All receives and sends are posted at once, so the caller can work on piece k (add it to
-    its own data) while pieces k+1, ... are still on the wire: the pipelining that makes large
-    reduce-scatters faster. Under the simulated network the pieces arrive in order.
-    """
-    n_recv, n_send = recv_tensor.numel(), send_tensor.numel()
-    recv_slices = [slice(i, min(i + piece, n_recv)) for i in range(0, n_recv, piece)]
-    send_slices = [slice(i, min(i + piece, n_send)) for i in range(0, n_send, piece)]
-    if _network() is not None or _needs_staging(recv_tensor) or _needs_staging(send_tensor):
-        for r, s_ in zip(recv_slices, send_slices, strict=False):  # one piece at a time
-            exchange(send_tensor[s_], dst, recv_tensor[r], src)
-            yield r
-        for r in recv_slices[len(send_slices):]:
-            exchange(None, dst, recv_tensor[r], src)
-            yield r
-        for s_ in send_slices[len(recv_slices):]:
-            exchange(send_tensor[s_], dst, None, src)
-        return
-    receives = []
-    for r in recv_slices:
-        _record("recv", src, recv_tensor[r])
-        receives.append(dist.irecv(recv_tensor[r], src))
-    sends = []
-    for s_ in send_slices:
-        _record("send", dst, send_tensor[s_])
-        sends.append(dist.isend(send_tensor[s_], dst))
-    for r, work in zip(recv_slices, receives, strict=True):
-        work.wait()
-        yield r
-    for work in sends:
-        work.wait()
+    handles = []
+    if has_recv:
+        handles.append(irecv(recv_tensor, src))
+    if has_send:
+        handles.append(isend(send_tensor, dst))
+    for handle in handles:
+        handle.wait()

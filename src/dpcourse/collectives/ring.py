@@ -20,16 +20,9 @@ import threading
 import torch
 
 from dpcourse.collectives.ops import check_input, chunk_bounds, combine_, finish_
-from dpcourse.collectives.p2p import exchange, exchange_pieces
+from dpcourse.collectives.p2p import Handle, exchange, irecv, isend, posts_ahead
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_schedule"]
-
-# Chunks larger than this many elements are sent in pieces of this size during the
-# reduce-scatter, so that adding one piece overlaps with receiving the next (0: never). Off by
-# default: on the course's 2-core CPU machine (gloo, 2 and 4 ranks, 1-64 MiB) pieces of 256 KiB
-# and 1 MiB gave no consistent gain (2026-11-21); try it where reductions and transfers run on
-# different hardware.
-PIPELINE_PIECE = 0
 
 
 def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, int]:
@@ -62,31 +55,88 @@ def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _reduce_scatter_(flat: torch.Tensor, op: str, rank: int, world: int) -> None:
-    """Phase 1 in place on a flat tensor: afterwards chunk ``rank`` is reduced (not averaged)."""
-    bounds = chunk_bounds(flat.numel(), world)
-    right, left = (rank + 1) % world, (rank - 1) % world
-    incoming = _receive_buffer(bounds[0][1] - bounds[0][0], flat)
-    for step in range(world - 1):
-        sent, received = ring_schedule("reduce-scatter", rank, step, world)
-        (s0, s1), (r0, r1) = bounds[sent], bounds[received]
-        buf, target = incoming[: r1 - r0], flat[r0:r1]
-        if 0 < PIPELINE_PIECE < r1 - r0:
-            for piece in exchange_pieces(flat[s0:s1], right, buf, left, PIPELINE_PIECE):
-                combine_(target[piece], buf[piece], op)
-        else:
-            exchange(flat[s0:s1], right, buf, left)
-            combine_(target, buf, op)
+# Two ways to run each phase. Step by step (`exchange` per step: post a receive, send, wait for
+# both) is the ring as drawn, and what NCCL needs. With receives posted ahead, every receive of
+# a phase is waiting before the first send, so a neighbour's data is taken in the moment it is
+# sent instead of after a round trip that asks for it, and each chunk is sent on the moment it
+# is ready. That is what "post receives before sends" buys; benchmarks/README.md has what it
+# measured on the course's 2-core machine.
 
 
-def _all_gather_(flat: torch.Tensor, rank: int, world: int) -> None:
-    """Phase 2 in place: rank r starts with chunk r complete and ends with all of them."""
+def _post_reduce_scatter(flat: torch.Tensor, rank: int, world: int) -> list[tuple]:
+    """Post phase 1's receives: (buffer, handle) per step. Each gets a slot of its own in a
+    reused buffer; it cannot land in its chunk, which still holds this rank's own values."""
+    bounds = chunk_bounds(flat.numel(), world)
+    sizes = [bounds[ring_schedule("reduce-scatter", rank, s, world)[1]] for s in range(world - 1)]
+    sizes = [end - start for start, end in sizes]
+    slots = _receive_buffer(sum(sizes), flat).split(sizes)
+    return [(slot, irecv(slot, (rank - 1) % world)) for slot in slots]
+
+
+def _post_all_gather(flat: torch.Tensor, rank: int, world: int) -> list[Handle]:
+    """Post phase 2's receives, straight into the chunks of ``flat`` they fill. Safe even before
+    phase 1: the finished chunk c reaches this rank only after going once round the ring, long
+    after this rank added into c and sent it on."""
+    bounds = chunk_bounds(flat.numel(), world)
+    left = (rank - 1) % world
+    received = [ring_schedule("all-gather", rank, s, world)[1] for s in range(world - 1)]
+    return [irecv(flat[bounds[c][0] : bounds[c][1]], left) for c in received]
+
+
+def _reduce_scatter_(
+    flat: torch.Tensor, op: str, rank: int, world: int, posted: list[tuple] | None = None
+) -> None:
+    """Phase 1 in place on a flat tensor: afterwards chunk ``rank`` is reduced (not averaged).
+    ``posted``: this phase's receives, if the caller posted them already."""
+    if world == 1:
+        return
     bounds = chunk_bounds(flat.numel(), world)
     right, left = (rank + 1) % world, (rank - 1) % world
-    for step in range(world - 1):
-        sent, received = ring_schedule("all-gather", rank, step, world)
-        (s0, s1), (r0, r1) = bounds[sent], bounds[received]
-        exchange(flat[s0:s1], right, flat[r0:r1], left)
+    chunk = [flat[start:end] for start, end in bounds]
+    if not posts_ahead():  # step by step
+        incoming = _receive_buffer(bounds[0][1] - bounds[0][0], flat)
+        for step in range(world - 1):
+            sent, received = ring_schedule("reduce-scatter", rank, step, world)
+            buf = incoming[: chunk[received].numel()]
+            exchange(chunk[sent], right, buf, left)
+            combine_(chunk[received], buf, op)
+        return
+    posted = posted if posted is not None else _post_reduce_scatter(flat, rank, world)
+    sends = [isend(chunk[ring_schedule("reduce-scatter", rank, 0, world)[0]], right)]
+    for step, (buf, receive) in enumerate(posted):
+        received = ring_schedule("reduce-scatter", rank, step, world)[1]
+        receive.wait()
+        combine_(chunk[received], buf, op)
+        if step < world - 2:  # the chunk just added to is the one to send at the next step
+            sends.append(isend(chunk[received], right))
+    for send in sends:
+        send.wait()
+
+
+def _all_gather_(
+    flat: torch.Tensor, rank: int, world: int, posted: list[Handle] | None = None
+) -> None:
+    """Phase 2 in place: rank r starts with chunk r complete and ends with all of them.
+    ``posted``: this phase's receives, if the caller posted them already."""
+    if world == 1:
+        return
+    bounds = chunk_bounds(flat.numel(), world)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunk = [flat[start:end] for start, end in bounds]
+    if not posts_ahead():  # step by step
+        for step in range(world - 1):
+            sent, received = ring_schedule("all-gather", rank, step, world)
+            exchange(chunk[sent], right, chunk[received], left)
+        return
+    posted = posted if posted is not None else _post_all_gather(flat, rank, world)
+    sends = [isend(chunk[rank], right)]
+    for step, receive in enumerate(posted):
+        receive.wait()
+        if step < world - 2:  # pass the chunk just received on to the right
+            received = ring_schedule("all-gather", rank, step, world)[1]
+            sends.append(isend(chunk[received], right))
+    for send in sends:
+        send.wait()
 
 
 def ring_reduce_scatter(
@@ -114,11 +164,7 @@ def ring_all_gather(tensor: torch.Tensor, check_shapes: bool = True) -> list[tor
     n = tensor.numel()
     flat = torch.empty(n * world, dtype=tensor.dtype, device=tensor.device)
     flat[rank * n : (rank + 1) * n] = tensor.detach().flatten()
-    right, left = (rank + 1) % world, (rank - 1) % world
-    for step in range(world - 1):
-        s = (rank - step) % world
-        r = (rank - step - 1) % world
-        exchange(flat[s * n : (s + 1) * n], right, flat[r * n : (r + 1) * n], left)
+    _all_gather_(flat, rank, world)
     return [flat[i * n : (i + 1) * n].view(tensor.shape).clone() for i in range(world)]
 
 
@@ -135,8 +181,13 @@ def ring_all_reduce(
     if world == 1:
         return tensor
     flat = tensor.view(-1)
-    _reduce_scatter_(flat, op, rank, world)
+    scatter = gather = None
+    if posts_ahead():
+        # Every receive of both phases, in the order the left neighbour sends: phase 1's first.
+        scatter = _post_reduce_scatter(flat, rank, world)
+        gather = _post_all_gather(flat, rank, world)
+    _reduce_scatter_(flat, op, rank, world, scatter)
     start, end = chunk_bounds(flat.numel(), world)[rank]
     finish_(flat[start:end], op, world)  # each rank averages only the chunk it owns
-    _all_gather_(flat, rank, world)
+    _all_gather_(flat, rank, world, gather)
     return tensor
