@@ -18,7 +18,13 @@ import torch.distributed as dist
 from dpcourse import collectives as C
 from dpcourse import runtime
 
-__all__ = ["IMPLEMENTATIONS", "time_all_reduce_on_rank", "bus_bandwidth", "default_sizes"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "time_all_reduce_on_rank",
+    "all_reduce_samples_on_rank",
+    "bus_bandwidth",
+    "default_sizes",
+]
 
 IMPLEMENTATIONS = ("library", "ring", "tree", "naive")
 
@@ -48,9 +54,21 @@ def time_all_reduce_on_rank(
     """Run on every rank (with :func:`dpcourse.launch.run_ranks`): median seconds per all-reduce
     for each implementation and size (float32). Large sizes get fewer repetitions, so that each
     size moves at most about ``budget_bytes`` per implementation (at least 3 repetitions)."""
+    samples = all_reduce_samples_on_rank(sizes, names, repeats, budget_bytes)
+    return {n: [statistics.median(ts) for ts in samples[n]] for n in names}
+
+
+def all_reduce_samples_on_rank(
+    sizes: list[int],
+    names: tuple[str, ...] = IMPLEMENTATIONS,
+    repeats: int = 10,
+    budget_bytes: int = 2**28,
+) -> dict[str, list[list[float]]]:
+    """Like :func:`time_all_reduce_on_rank`, but every repetition's time (of the slowest rank):
+    ``result[name][i]`` lists the times of size ``sizes[i]``."""
     device = runtime.device()
     fns = {n: _implementation(n) for n in names}
-    medians: dict[str, list[float]] = {n: [] for n in names}
+    samples: dict[str, list[list[float]]] = {n: [] for n in names}
     for size in sizes:
         x = torch.ones(size // 4, device=device)
         reps = max(3, min(repeats, budget_bytes // size))
@@ -70,8 +88,8 @@ def time_all_reduce_on_rank(
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank counts
                 times[n].append(elapsed.item())
         for n in names:
-            medians[n].append(statistics.median(times[n]))
-    return medians
+            samples[n].append(times[n])
+    return samples
 
 
 def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> float:

@@ -13,7 +13,12 @@ HELP = "ring, tree and naive all-reduce vs dist.all_reduce"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=100,
+        help="repetitions per size (fewer for large sizes: about 1 GiB moved per size)",
+    )
     parser.add_argument("--largest", type=int, default=2**26, help="largest message in bytes")
 
 
@@ -21,27 +26,50 @@ def run(args: argparse.Namespace) -> dict:
     return bench_allreduce(args.world_size, args.repeats, args.largest)
 
 
+def _quantile(times: list[float], q: float) -> float:
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
+    """Medians (the target's measure) and 10th percentiles of every implementation and size.
+
+    The 10th percentile is the time without the occasional multi-millisecond stall that a
+    blocking wait can suffer on a busy or virtual machine (benchmarks/README.md): it tells
+    what the code costs when the machine does not get in the way.
+    """
+    import statistics
+
     from dpcourse.commbench import (
         IMPLEMENTATIONS,
+        all_reduce_samples_on_rank,
         bus_bandwidth,
         default_sizes,
-        time_all_reduce_on_rank,
     )
     from dpcourse.launch import run_ranks
 
     sizes = default_sizes(largest=largest)
-    medians = run_ranks(
-        time_all_reduce_on_rank, world_size, sizes, IMPLEMENTATIONS, repeats, timeout=1800
+    samples = run_ranks(
+        all_reduce_samples_on_rank,
+        world_size,
+        sizes,
+        IMPLEMENTATIONS,
+        repeats,
+        2**30,
+        timeout=1800,
     )[0]
     rows = []
     for i, size in enumerate(sizes):
-        row = {"bytes": size}
+        row = {"bytes": size, "repetitions": len(samples["library"][i])}
+        library = samples["library"][i]
+        lib, lib_p10 = statistics.median(library), _quantile(library, 0.1)
         for name in IMPLEMENTATIONS:
-            t = medians[name][i]
+            t, p10 = statistics.median(samples[name][i]), _quantile(samples[name][i], 0.1)
             row[f"{name}_s"] = t
+            row[f"{name}_p10_s"] = p10
             row[f"{name}_busbw_GBps"] = bus_bandwidth(size, t, world_size) / 1e9
-            row[f"{name}_over_library"] = t / medians["library"][i]
+            row[f"{name}_over_library"] = t / lib
+            row[f"{name}_p10_over_library"] = p10 / lib_p10
         rows.append(row)
     return {"world_size": world_size, "repeats": repeats, "rows": rows}
 
@@ -55,7 +83,7 @@ def report(result: dict) -> None:
     print(
         f"{'size':>9} {'library':>10} "
         + " ".join(f"{n + '/lib':>10}" for n in names)
-        + f" {'lib busbw':>10} {'ring busbw':>10}"
+        + f" {'lib busbw':>10} {'ring busbw':>10} {'ring/lib p10':>13}"
     )
     for r in result["rows"]:
         size = r["bytes"]
@@ -64,4 +92,10 @@ def report(result: dict) -> None:
             f"{label:>9} {r['library_s'] * 1e3:>8.2f}ms "
             + " ".join(f"{r[n + '_over_library']:>10.2f}" for n in names)
             + f" {r['library_busbw_GBps']:>8.2f}GB/s {r['ring_busbw_GBps']:>8.2f}GB/s"
+            + f" {r.get('ring_p10_over_library', float('nan')):>13.2f}"
         )
+    print(
+        "(medians of up to "
+        f"{result['repeats']} interleaved repetitions, fewer for large sizes; the last column "
+        "compares 10th percentiles, the times without stalls)"
+    )
