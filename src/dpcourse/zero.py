@@ -247,7 +247,7 @@ class ShardedOptimizer:
                 elif p.grad.data_ptr() != flat_grad[s:e].data_ptr():  # not moved by the hook
                     flat_grad[s:e].copy_(p.grad.reshape(-1))
             if self.world_size > 1:
-                _reduce_scatter_(flat_grad, "sum", self.rank, self.world_size)
+                _reduce_scatter_(flat_grad.tensor_split(self.world_size), "sum", self.rank)
             if self.stage == 1:
                 g.shard.grad.div_(self.world_size)  # a view of flat_grad[start:end]
             else:
@@ -260,7 +260,7 @@ class ShardedOptimizer:
         self.optimizer.step()
         for g in self._groups:
             if self.world_size > 1 and g.numel > 0:
-                _all_gather_(g.flat, self.rank, self.world_size)
+                _all_gather_(g.flat.tensor_split(self.world_size), self.rank)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (``None``, or zeros with ``set_to_none=False``)."""

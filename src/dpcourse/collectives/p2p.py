@@ -74,8 +74,11 @@ def count_traffic() -> Iterator[Traffic]:
 
 
 def _record(kind: str, peer: int, tensor: torch.Tensor) -> None:
+    active = getattr(_counting, "active", None)
+    if not active:  # the common case, kept cheap: every message passes here
+        return
     nbytes = tensor.numel() * tensor.element_size()
-    for t in getattr(_counting, "active", ()):
+    for t in active:
         if kind == "send":
             t.bytes_sent += nbytes
             t.messages_sent += 1
@@ -99,7 +102,7 @@ def rank_and_size() -> tuple[int, int]:
 
 
 def _needs_staging(tensor: torch.Tensor) -> bool:
-    return tensor.device.type != "cpu" and dist.get_backend() == "gloo"
+    return not tensor.is_cpu and dist.get_backend() == "gloo"
 
 
 def send(tensor: torch.Tensor, dst: int) -> None:
@@ -129,17 +132,21 @@ class Handle:
     """A posted send or receive (from :func:`isend` / :func:`irecv`); ``wait()`` blocks until
     it is done. For a receive, the data is in the tensor only after ``wait()``."""
 
+    __slots__ = ("_work", "_ticket", "_staged", "_target")
+
     def __init__(self, work=None, ticket=None, staged=None, target=None):
         self._work, self._ticket, self._staged, self._target = work, ticket, staged, target
 
     def wait(self) -> None:
-        if self._ticket is not None:
-            _network().wait(_simulated.rank, self._ticket)
-        elif self._work is not None:
+        if self._work is not None:
             self._work.wait()
+            self._work = None  # waiting twice is harmless
+        elif self._ticket is not None:
+            _network().wait(_simulated.rank, self._ticket)
+            self._ticket = None
         if self._staged is not None:  # a CUDA tensor received over gloo, through the CPU
             self._target.copy_(self._staged)
-        self._work = self._ticket = self._staged = None  # waiting twice is harmless
+            self._staged = None
 
 
 def irecv(tensor: torch.Tensor, src: int) -> Handle:

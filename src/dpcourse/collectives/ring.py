@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from dpcourse.collectives.ops import check_input, chunk_bounds, combine_, finish_
+from dpcourse.collectives.ops import check_input, combine_, finish_
 from dpcourse.collectives.p2p import Handle, exchange, irecv, isend, posts_ahead
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_schedule"]
@@ -60,83 +60,98 @@ def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
 # a phase is waiting before the first send, so a neighbour's data is taken in the moment it is
 # sent instead of after a round trip that asks for it, and each chunk is sent on the moment it
 # is ready. That is what "post receives before sends" buys; benchmarks/README.md has what it
-# measured on the course's 2-core machine.
+# measured on the course's 2-core machine. The phases take the chunks as a list of views,
+# ``flat.tensor_split(N)``, cut once per call: at 1 MiB the Python around the messages is a
+# good part of the time.
 
 
-def _post_reduce_scatter(flat: torch.Tensor, rank: int, world: int) -> list[tuple]:
+def _post_reduce_scatter(chunks: list[torch.Tensor], rank: int) -> list[tuple]:
     """Post phase 1's receives: (buffer, handle) per step. Each gets a slot of its own in a
     reused buffer; it cannot land in its chunk, which still holds this rank's own values."""
-    bounds = chunk_bounds(flat.numel(), world)
-    sizes = [bounds[ring_schedule("reduce-scatter", rank, s, world)[1]] for s in range(world - 1)]
-    sizes = [end - start for start, end in sizes]
-    slots = _receive_buffer(sum(sizes), flat).split(sizes)
+    world = len(chunks)
+    sizes = [
+        chunks[ring_schedule("reduce-scatter", rank, step, world)[1]].numel()
+        for step in range(world - 1)
+    ]
+    slots = _receive_buffer(sum(sizes), chunks[0]).split(sizes)
     return [(slot, irecv(slot, (rank - 1) % world)) for slot in slots]
 
 
-def _post_all_gather(flat: torch.Tensor, rank: int, world: int) -> list[Handle]:
-    """Post phase 2's receives, straight into the chunks of ``flat`` they fill. Safe even before
-    phase 1: the finished chunk c reaches this rank only after going once round the ring, long
-    after this rank added into c and sent it on."""
-    bounds = chunk_bounds(flat.numel(), world)
-    left = (rank - 1) % world
-    received = [ring_schedule("all-gather", rank, s, world)[1] for s in range(world - 1)]
-    return [irecv(flat[bounds[c][0] : bounds[c][1]], left) for c in received]
+def _post_all_gather(chunks: list[torch.Tensor], rank: int) -> list[Handle]:
+    """Post phase 2's receives, straight into the chunks they fill. Safe even before phase 1:
+    the finished chunk c reaches this rank only after going once round the ring, long after
+    this rank added into c and sent it on."""
+    world = len(chunks)
+    return [
+        irecv(chunks[ring_schedule("all-gather", rank, step, world)[1]], (rank - 1) % world)
+        for step in range(world - 1)
+    ]
 
 
 def _reduce_scatter_(
-    flat: torch.Tensor, op: str, rank: int, world: int, posted: list[tuple] | None = None
+    chunks: list[torch.Tensor],
+    op: str,
+    rank: int,
+    posted: list[tuple] | None = None,
+    sends: list[Handle] | None = None,
 ) -> None:
-    """Phase 1 in place on a flat tensor: afterwards chunk ``rank`` is reduced (not averaged).
-    ``posted``: this phase's receives, if the caller posted them already."""
+    """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``): afterwards
+    ``chunks[rank]`` is reduced (not averaged). ``posted``: this phase's receives, if the caller
+    posted them already; ``sends``: a list to leave the sends in, for the caller to wait for
+    (otherwise they are waited for here)."""
+    world = len(chunks)
+    right, left = (rank + 1) % world, (rank - 1) % world
     if world == 1:
         return
-    bounds = chunk_bounds(flat.numel(), world)
-    right, left = (rank + 1) % world, (rank - 1) % world
-    chunk = [flat[start:end] for start, end in bounds]
     if not posts_ahead():  # step by step
-        incoming = _receive_buffer(bounds[0][1] - bounds[0][0], flat)
+        incoming = _receive_buffer(chunks[0].numel(), chunks[0])
         for step in range(world - 1):
             sent, received = ring_schedule("reduce-scatter", rank, step, world)
-            buf = incoming[: chunk[received].numel()]
-            exchange(chunk[sent], right, buf, left)
-            combine_(chunk[received], buf, op)
+            buf = incoming[: chunks[received].numel()]
+            exchange(chunks[sent], right, buf, left)
+            combine_(chunks[received], buf, op)
         return
-    posted = posted if posted is not None else _post_reduce_scatter(flat, rank, world)
-    sends = [isend(chunk[ring_schedule("reduce-scatter", rank, 0, world)[0]], right)]
+    posted = posted if posted is not None else _post_reduce_scatter(chunks, rank)
+    mine = [] if sends is None else sends
+    mine.append(isend(chunks[ring_schedule("reduce-scatter", rank, 0, world)[0]], right))
     for step, (buf, receive) in enumerate(posted):
         received = ring_schedule("reduce-scatter", rank, step, world)[1]
         receive.wait()
-        combine_(chunk[received], buf, op)
+        combine_(chunks[received], buf, op)
         if step < world - 2:  # the chunk just added to is the one to send at the next step
-            sends.append(isend(chunk[received], right))
-    for send in sends:
-        send.wait()
+            mine.append(isend(chunks[received], right))
+    if sends is None:
+        for send in mine:
+            send.wait()
 
 
 def _all_gather_(
-    flat: torch.Tensor, rank: int, world: int, posted: list[Handle] | None = None
+    chunks: list[torch.Tensor],
+    rank: int,
+    posted: list[Handle] | None = None,
+    sends: list[Handle] | None = None,
 ) -> None:
-    """Phase 2 in place: rank r starts with chunk r complete and ends with all of them.
-    ``posted``: this phase's receives, if the caller posted them already."""
+    """Phase 2 in place: rank r starts with ``chunks[r]`` complete and ends with all of them.
+    ``posted`` and ``sends`` as for :func:`_reduce_scatter_`."""
+    world = len(chunks)
+    right, left = (rank + 1) % world, (rank - 1) % world
     if world == 1:
         return
-    bounds = chunk_bounds(flat.numel(), world)
-    right, left = (rank + 1) % world, (rank - 1) % world
-    chunk = [flat[start:end] for start, end in bounds]
     if not posts_ahead():  # step by step
         for step in range(world - 1):
             sent, received = ring_schedule("all-gather", rank, step, world)
-            exchange(chunk[sent], right, chunk[received], left)
+            exchange(chunks[sent], right, chunks[received], left)
         return
-    posted = posted if posted is not None else _post_all_gather(flat, rank, world)
-    sends = [isend(chunk[rank], right)]
+    posted = posted if posted is not None else _post_all_gather(chunks, rank)
+    mine = [] if sends is None else sends
+    mine.append(isend(chunks[rank], right))
     for step, receive in enumerate(posted):
         receive.wait()
         if step < world - 2:  # pass the chunk just received on to the right
-            received = ring_schedule("all-gather", rank, step, world)[1]
-            sends.append(isend(chunk[received], right))
-    for send in sends:
-        send.wait()
+            mine.append(isend(chunks[ring_schedule("all-gather", rank, step, world)[1]], right))
+    if sends is None:
+        for send in mine:
+            send.wait()
 
 
 def ring_reduce_scatter(
@@ -150,10 +165,9 @@ def ring_reduce_scatter(
     ``op``: "sum", "mean", "max" or "min".
     """
     rank, world = check_input(tensor, op, check_shapes)
-    flat = tensor.detach().flatten().clone()
-    _reduce_scatter_(flat, op, rank, world)
-    start, end = chunk_bounds(flat.numel(), world)[rank]
-    out = flat[start:end].clone()
+    chunks = tensor.detach().flatten().clone().tensor_split(world)
+    _reduce_scatter_(chunks, op, rank)
+    out = chunks[rank].clone()
     finish_(out, op, world)
     return out
 
@@ -164,7 +178,7 @@ def ring_all_gather(tensor: torch.Tensor, check_shapes: bool = True) -> list[tor
     n = tensor.numel()
     flat = torch.empty(n * world, dtype=tensor.dtype, device=tensor.device)
     flat[rank * n : (rank + 1) * n] = tensor.detach().flatten()
-    _all_gather_(flat, rank, world)
+    _all_gather_(flat.tensor_split(world), rank)
     return [flat[i * n : (i + 1) * n].view(tensor.shape).clone() for i in range(world)]
 
 
@@ -180,14 +194,16 @@ def ring_all_reduce(
     rank, world = check_input(tensor, op, check_shapes)
     if world == 1:
         return tensor
-    flat = tensor.view(-1)
+    chunks = tensor.view(-1).tensor_split(world)  # views: the ring works in place
     scatter = gather = None
     if posts_ahead():
         # Every receive of both phases, in the order the left neighbour sends: phase 1's first.
-        scatter = _post_reduce_scatter(flat, rank, world)
-        gather = _post_all_gather(flat, rank, world)
-    _reduce_scatter_(flat, op, rank, world, scatter)
-    start, end = chunk_bounds(flat.numel(), world)[rank]
-    finish_(flat[start:end], op, world)  # each rank averages only the chunk it owns
-    _all_gather_(flat, rank, world, gather)
+        scatter = _post_reduce_scatter(chunks, rank)
+        gather = _post_all_gather(chunks, rank)
+    sends: list[Handle] = []
+    _reduce_scatter_(chunks, op, rank, scatter, sends)
+    finish_(chunks[rank], op, world)  # each rank averages only the chunk it owns
+    _all_gather_(chunks, rank, gather, sends)
+    for send in sends:
+        send.wait()
     return tensor
