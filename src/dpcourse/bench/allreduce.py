@@ -26,11 +26,6 @@ def run(args: argparse.Namespace) -> dict:
     return bench_allreduce(args.world_size, args.repeats, args.largest)
 
 
-def _quantile(times: list[float], q: float) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
     """Medians (the target's measure) and 10th percentiles of every implementation and size.
 
@@ -45,6 +40,7 @@ def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
         all_reduce_samples_on_rank,
         bus_bandwidth,
         default_sizes,
+        quantile,
     )
     from dpcourse.launch import run_ranks
 
@@ -62,9 +58,9 @@ def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
     for i, size in enumerate(sizes):
         row = {"bytes": size, "repetitions": len(samples["library"][i])}
         library = samples["library"][i]
-        lib, lib_p10 = statistics.median(library), _quantile(library, 0.1)
+        lib, lib_p10 = statistics.median(library), quantile(library, 0.1)
         for name in IMPLEMENTATIONS:
-            t, p10 = statistics.median(samples[name][i]), _quantile(samples[name][i], 0.1)
+            t, p10 = statistics.median(samples[name][i]), quantile(samples[name][i], 0.1)
             row[f"{name}_s"] = t
             row[f"{name}_p10_s"] = p10
             row[f"{name}_busbw_GBps"] = bus_bandwidth(size, t, world_size) / 1e9

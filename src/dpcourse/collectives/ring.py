@@ -94,16 +94,19 @@ def _reduce_scatter_(
     rank: int,
     posted: list[tuple] | None = None,
     sends: list[Handle] | None = None,
+    ahead: bool | None = None,
 ) -> None:
     """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``): afterwards
-    ``chunks[rank]`` is reduced (not averaged). ``posted``: this phase's receives, if the caller
-    posted them already; ``sends``: a list to leave the sends in, for the caller to wait for
-    (otherwise they are waited for here)."""
+    ``chunks[rank]`` is reduced (not averaged). ``ahead``: post the receives ahead (default:
+    where the backend allows, :func:`~dpcourse.collectives.p2p.posts_ahead`) or go step by
+    step. ``posted``: this phase's receives, if the caller posted them already; ``sends``: a
+    list to leave the sends in, for the caller to wait for (otherwise they are waited for
+    here)."""
     world = len(chunks)
     right, left = (rank + 1) % world, (rank - 1) % world
     if world == 1:
         return
-    if not posts_ahead():  # step by step
+    if not (posts_ahead() if ahead is None else ahead):  # step by step
         incoming = _receive_buffer(chunks[0].numel(), chunks[0])
         for step in range(world - 1):
             sent, received = ring_schedule("reduce-scatter", rank, step, world)
@@ -130,14 +133,15 @@ def _all_gather_(
     rank: int,
     posted: list[Handle] | None = None,
     sends: list[Handle] | None = None,
+    ahead: bool | None = None,
 ) -> None:
     """Phase 2 in place: rank r starts with ``chunks[r]`` complete and ends with all of them.
-    ``posted`` and ``sends`` as for :func:`_reduce_scatter_`."""
+    ``posted``, ``sends`` and ``ahead`` as for :func:`_reduce_scatter_`."""
     world = len(chunks)
     right, left = (rank + 1) % world, (rank - 1) % world
     if world == 1:
         return
-    if not posts_ahead():  # step by step
+    if not (posts_ahead() if ahead is None else ahead):  # step by step
         for step in range(world - 1):
             sent, received = ring_schedule("all-gather", rank, step, world)
             exchange(chunks[sent], right, chunks[received], left)
@@ -183,27 +187,39 @@ def ring_all_gather(tensor: torch.Tensor, check_shapes: bool = True) -> list[tor
 
 
 def ring_all_reduce(
-    tensor: torch.Tensor, op: str = "sum", check_shapes: bool = True
+    tensor: torch.Tensor,
+    op: str = "sum",
+    check_shapes: bool = True,
+    post_ahead: bool | None = None,
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place with a ring (like ``dist.all_reduce``); returns it.
 
     Works for any length and world size, for every dtype the backend can send, on CPU and CUDA.
     ``check_shapes`` first verifies that all ranks passed the same size and dtype (one tiny
-    all-reduce; benchmarks turn it off).
+    all-reduce; benchmarks turn it off). ``post_ahead``: post every receive before the first
+    send (True) or go step by step (False); by default, ahead wherever the backend allows it,
+    which is everywhere but NCCL (:func:`~dpcourse.collectives.p2p.posts_ahead`).
     """
     rank, world = check_input(tensor, op, check_shapes)
+    if post_ahead is None:
+        post_ahead = posts_ahead()
+    elif post_ahead and not posts_ahead():
+        raise ValueError(
+            "post_ahead=True cannot run on NCCL: a receive posted long before its data would "
+            "block the CUDA stream that the sends behind it wait on. Leave post_ahead=None."
+        )
     if world == 1:
         return tensor
     chunks = tensor.view(-1).tensor_split(world)  # views: the ring works in place
     scatter = gather = None
-    if posts_ahead():
+    if post_ahead:
         # Every receive of both phases, in the order the left neighbour sends: phase 1's first.
         scatter = _post_reduce_scatter(chunks, rank)
         gather = _post_all_gather(chunks, rank)
     sends: list[Handle] = []
-    _reduce_scatter_(chunks, op, rank, scatter, sends)
+    _reduce_scatter_(chunks, op, rank, scatter, sends, post_ahead)
     finish_(chunks[rank], op, world)  # each rank averages only the chunk it owns
-    _all_gather_(chunks, rank, gather, sends)
+    _all_gather_(chunks, rank, gather, sends, post_ahead)
     for send in sends:
         send.wait()
     return tensor
