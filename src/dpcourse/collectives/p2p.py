@@ -33,6 +33,7 @@ __all__ = [
     "isend",
     "irecv",
     "Handle",
+    "Waitable",
     "exchange",
     "posts_ahead",
     "rank_and_size",
@@ -129,8 +130,9 @@ def recv(tensor: torch.Tensor, src: int) -> None:
 
 
 class Handle:
-    """A posted send or receive (from :func:`isend` / :func:`irecv`); ``wait()`` blocks until
-    it is done. For a receive, the data is in the tensor only after ``wait()``."""
+    """A posted send or receive that torch.distributed's own handle (``dist.Work``) cannot
+    stand for: one on the simulated network, or a CUDA tensor received through the CPU.
+    ``wait()`` blocks until it is done; a receive's data is in the tensor only after it."""
 
     __slots__ = ("_work", "_ticket", "_staged", "_target")
 
@@ -149,31 +151,35 @@ class Handle:
             self._staged = None
 
 
-def irecv(tensor: torch.Tensor, src: int) -> Handle:
+_DONE = Handle()  # what posting nothing returns
+Waitable = Handle | dist.Work  # what irecv and isend return: call wait() on it
+
+
+def irecv(tensor: torch.Tensor, src: int) -> Waitable:
     """Post a receive from rank ``src`` into ``tensor`` (counted); returns at once.
 
     An empty tensor posts nothing: the sender skips its empty send too.
     """
     if tensor.numel() == 0:
-        return Handle()
+        return _DONE
     _record("recv", src, tensor)
     if (net := _network()) is not None:
         return Handle(ticket=net.post_recv(_simulated.rank, src, tensor))
     if _needs_staging(tensor):
         staged = torch.empty_like(tensor, device="cpu")
         return Handle(work=dist.irecv(staged, src), staged=staged, target=tensor)
-    return Handle(work=dist.irecv(tensor, src))
+    return dist.irecv(tensor, src)  # torch's own handle: it has wait() too, and costs nothing more
 
 
-def isend(tensor: torch.Tensor, dst: int) -> Handle:
+def isend(tensor: torch.Tensor, dst: int) -> Waitable:
     """Post a send of ``tensor`` to rank ``dst`` (counted); returns at once. Leave ``tensor``
     unchanged until the handle's ``wait()`` returns. An empty tensor sends nothing."""
     if tensor.numel() == 0:
-        return Handle()
+        return _DONE
     _record("send", dst, tensor)
     if (net := _network()) is not None:
         return Handle(ticket=net.post_send(_simulated.rank, dst, tensor))
-    return Handle(work=dist.isend(tensor.cpu() if _needs_staging(tensor) else tensor, dst))
+    return dist.isend(tensor.cpu() if _needs_staging(tensor) else tensor, dst)
 
 
 def posts_ahead() -> bool:

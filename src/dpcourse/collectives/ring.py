@@ -20,7 +20,7 @@ import threading
 import torch
 
 from dpcourse.collectives.ops import check_input, combine_, finish_
-from dpcourse.collectives.p2p import Handle, exchange, irecv, isend, posts_ahead
+from dpcourse.collectives.p2p import Waitable, exchange, irecv, isend, posts_ahead
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_schedule"]
 
@@ -77,7 +77,7 @@ def _post_reduce_scatter(chunks: list[torch.Tensor], rank: int) -> list[tuple]:
     return [(slot, irecv(slot, (rank - 1) % world)) for slot in slots]
 
 
-def _post_all_gather(chunks: list[torch.Tensor], rank: int) -> list[Handle]:
+def _post_all_gather(chunks: list[torch.Tensor], rank: int) -> list[Waitable]:
     """Post phase 2's receives, straight into the chunks they fill. Safe even before phase 1:
     the finished chunk c reaches this rank only after going once round the ring, long after
     this rank added into c and sent it on."""
@@ -93,7 +93,7 @@ def _reduce_scatter_(
     op: str,
     rank: int,
     posted: list[tuple] | None = None,
-    sends: list[Handle] | None = None,
+    sends: list[Waitable] | None = None,
     ahead: bool | None = None,
 ) -> None:
     """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``): afterwards
@@ -131,8 +131,8 @@ def _reduce_scatter_(
 def _all_gather_(
     chunks: list[torch.Tensor],
     rank: int,
-    posted: list[Handle] | None = None,
-    sends: list[Handle] | None = None,
+    posted: list[Waitable] | None = None,
+    sends: list[Waitable] | None = None,
     ahead: bool | None = None,
 ) -> None:
     """Phase 2 in place: rank r starts with ``chunks[r]`` complete and ends with all of them.
@@ -216,7 +216,7 @@ def ring_all_reduce(
         # Every receive of both phases, in the order the left neighbour sends: phase 1's first.
         scatter = _post_reduce_scatter(chunks, rank)
         gather = _post_all_gather(chunks, rank)
-    sends: list[Handle] = []
+    sends: list[Waitable] = []
     _reduce_scatter_(chunks, op, rank, scatter, sends, post_ahead)
     finish_(chunks[rank], op, world)  # each rank averages only the chunk it owns
     _all_gather_(chunks, rank, gather, sends, post_ahead)
