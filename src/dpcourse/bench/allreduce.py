@@ -45,11 +45,12 @@ def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
     from dpcourse.launch import run_ranks
 
     sizes = default_sizes(largest=largest)
+    names = (*IMPLEMENTATIONS, "ring-step-by-step")  # what posting receives ahead buys
     samples = run_ranks(
         all_reduce_samples_on_rank,
         world_size,
         sizes,
-        IMPLEMENTATIONS,
+        names,
         repeats,
         2**30,
         timeout=1800,
@@ -59,7 +60,7 @@ def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
         row = {"bytes": size, "repetitions": len(samples["library"][i])}
         library = samples["library"][i]
         lib, lib_p10 = statistics.median(library), quantile(library, 0.1)
-        for name in IMPLEMENTATIONS:
+        for name in names:
             t, p10 = statistics.median(samples[name][i]), quantile(samples[name][i], 0.1)
             row[f"{name}_s"] = t
             row[f"{name}_p10_s"] = p10
@@ -71,14 +72,14 @@ def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
 
 
 def report(result: dict) -> None:
-    names = ("ring", "tree", "naive")
+    names = ("ring", "tree", "naive", "ring-step-by-step")
     print(
         f"all-reduce on {result['world_size']} ranks, float32; time as a ratio to "
         "dist.all_reduce (lower is faster), and bus bandwidth"
     )
     print(
         f"{'size':>9} {'library':>10} "
-        + " ".join(f"{n + '/lib':>10}" for n in names)
+        + " ".join(f"{n.replace('ring-step-by-step', 'step') + '/lib':>10}" for n in names)
         + f" {'lib busbw':>10} {'ring busbw':>10} {'ring/lib p10':>13}"
     )
     for r in result["rows"]:
@@ -86,12 +87,13 @@ def report(result: dict) -> None:
         label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
         print(
             f"{label:>9} {r['library_s'] * 1e3:>8.2f}ms "
-            + " ".join(f"{r[n + '_over_library']:>10.2f}" for n in names)
+            + " ".join(f"{r.get(n + '_over_library', float('nan')):>10.2f}" for n in names)
             + f" {r['library_busbw_GBps']:>8.2f}GB/s {r['ring_busbw_GBps']:>8.2f}GB/s"
             + f" {r.get('ring_p10_over_library', float('nan')):>13.2f}"
         )
     print(
         "(medians of up to "
         f"{result['repeats']} interleaved repetitions, fewer for large sizes; the last column "
-        "compares 10th percentiles, the times without stalls)"
+        "compares 10th percentiles, the times without stalls; 'step' is the ring without "
+        "receives posted ahead, as on NCCL)"
     )
