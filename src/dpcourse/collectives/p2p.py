@@ -203,7 +203,8 @@ def exchange(
     once never deadlocks. With NCCL the pair is launched as one group
     (``dist.batch_isend_irecv``): two separate operations to the same peer (a ring of 2, where
     left and right are the same rank) would queue the receive in front of the send on one
-    stream, on both ranks. Either side may be ``None`` (or empty) to skip it.
+    stream, on both ranks, and hang (NVIDIA/nccl issue 479). Either side may be ``None`` (or
+    empty) to skip it.
     """
     has_recv = recv_tensor is not None and recv_tensor.numel() > 0
     has_send = send_tensor is not None and send_tensor.numel() > 0
