@@ -25,6 +25,7 @@ __all__ = [
     "bus_bandwidth",
     "default_sizes",
     "quantile",
+    "slowest_rank",
 ]
 
 IMPLEMENTATIONS = ("library", "ring", "tree", "naive")
@@ -88,13 +89,18 @@ def all_reduce_samples_on_rank(
                 fns[n](y)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                # on the rank's device: NCCL reduces only GPU tensors
-                elapsed = torch.tensor([time.perf_counter() - start], device=device)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank counts
-                times[n].append(elapsed.item())
+                times[n].append(slowest_rank(time.perf_counter() - start, device))
         for n in names:
             samples[n].append(times[n])
     return samples
+
+
+def slowest_rank(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's ``seconds``: a collective is as slow as its slowest rank.
+    Run on every rank; ``device`` is the rank's (NCCL reduces only GPU tensors)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def quantile(times: list[float], q: float) -> float:

@@ -308,15 +308,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _slowest(seconds: float, device: torch.device) -> float:
-    """The largest of every rank's ``seconds`` (on ``device``: NCCL reduces only GPU tensors)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def ddp_step_times_on_rank(
     per_rank_batches: Sequence[int],
     hidden: int = 512,
@@ -343,6 +334,7 @@ def ddp_step_times_on_rank(
     from torch.nn.parallel import DistributedDataParallel
 
     from dpcourse import runtime
+    from dpcourse.commbench import slowest_rank, time_all_reduce_on_rank
     from dpcourse.models import MLP
 
     device = runtime.device()
@@ -373,15 +365,13 @@ def ddp_step_times_on_rank(
                 loss_fn(model(x), y).backward()
                 opts[name].step()
                 _sync(device)
-                elapsed = _slowest(time.perf_counter() - start, device)  # the slowest rank counts
+                elapsed = slowest_rank(time.perf_counter() - start, device)
                 if i >= warmup:
                     times[name].append(elapsed)
         for name in out:
             out[name].append(statistics.median(times[name]))
     comm = [0.0] * len(comm_sizes)
     if world > 1:
-        from dpcourse.commbench import time_all_reduce_on_rank
-
         comm = time_all_reduce_on_rank(comm_sizes, ("library",), comm_repeats)["library"]
     return {
         "world_size": world,

@@ -57,8 +57,8 @@ def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
     )[0]
     rows = []
     for i, size in enumerate(sizes):
-        row = {"bytes": size, "repetitions": len(samples["library"][i])}
         library = samples["library"][i]
+        row = {"bytes": size, "repetitions": len(library)}
         lib, lib_p10 = statistics.median(library), quantile(library, 0.1)
         for name in names:
             t, p10 = statistics.median(samples[name][i]), quantile(samples[name][i], 0.1)
@@ -87,9 +87,9 @@ def report(result: dict) -> None:
         label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
         print(
             f"{label:>9} {r['library_s'] * 1e3:>8.2f}ms "
-            + " ".join(f"{r.get(n + '_over_library', float('nan')):>10.2f}" for n in names)
+            + " ".join(f"{r[n + '_over_library']:>10.2f}" for n in names)
             + f" {r['library_busbw_GBps']:>8.2f}GB/s {r['ring_busbw_GBps']:>8.2f}GB/s"
-            + f" {r.get('ring_p10_over_library', float('nan')):>13.2f}"
+            + f" {r['ring_p10_over_library']:>13.2f}"
         )
     print(
         "(medians of up to "

@@ -182,6 +182,10 @@ def isend(tensor: torch.Tensor, dst: int) -> Waitable:
     return dist.isend(tensor.cpu() if _needs_staging(tensor) else tensor, dst)
 
 
+def _on_nccl() -> bool:
+    return _network() is None and dist.get_backend() == "nccl"
+
+
 def posts_ahead() -> bool:
     """Whether receives may be posted long before their data is sent (see chapter 6).
 
@@ -191,7 +195,7 @@ def posts_ahead() -> bool:
     and the sends queued behind it, until its data came, which can be never. With NCCL the
     collectives move one step at a time (:func:`exchange`).
     """
-    return _network() is not None or dist.get_backend() != "nccl"
+    return not _on_nccl()
 
 
 def exchange(
@@ -208,7 +212,7 @@ def exchange(
     """
     has_recv = recv_tensor is not None and recv_tensor.numel() > 0
     has_send = send_tensor is not None and send_tensor.numel() > 0
-    if _network() is None and dist.get_backend() == "nccl":
+    if _on_nccl():
         ops = []
         if has_recv:
             _record("recv", src, recv_tensor)

@@ -103,9 +103,9 @@ def _reduce_scatter_(
     list to leave the sends in, for the caller to wait for (otherwise they are waited for
     here)."""
     world = len(chunks)
-    right, left = (rank + 1) % world, (rank - 1) % world
     if world == 1:
         return
+    right, left = (rank + 1) % world, (rank - 1) % world
     if not (posts_ahead() if ahead is None else ahead):  # step by step
         incoming = _receive_buffer(chunks[0].numel(), chunks[0])
         for step in range(world - 1):
@@ -138,9 +138,9 @@ def _all_gather_(
     """Phase 2 in place: rank r starts with ``chunks[r]`` complete and ends with all of them.
     ``posted``, ``sends`` and ``ahead`` as for :func:`_reduce_scatter_`."""
     world = len(chunks)
-    right, left = (rank + 1) % world, (rank - 1) % world
     if world == 1:
         return
+    right, left = (rank + 1) % world, (rank - 1) % world
     if not (posts_ahead() if ahead is None else ahead):  # step by step
         for step in range(world - 1):
             sent, received = ring_schedule("all-gather", rank, step, world)

@@ -136,8 +136,15 @@ def atomic_save(fn: Callable) -> str:
 
 
 # --------------------------------------------------------------------------- ex-8-amp
-VARIANTS = ("reduce_then_unscale", "clip_then_reduce", "no_clip", "clip_scaled",
-            "no_all_reduce", "unscale_then_reduce")  # fmt: skip
+# The ways to order the steps between backward and scaler.step, the right one first.
+VARIANTS = {
+    "reduce_then_unscale": ("reduce", "unscale", "clip"),
+    "clip_then_reduce": ("unscale", "clip", "reduce"),
+    "no_clip": ("reduce", "unscale"),
+    "clip_scaled": ("reduce", "clip", "unscale"),
+    "no_all_reduce": ("unscale", "clip"),
+    "unscale_then_reduce": ("unscale", "reduce", "clip"),
+}
 MAX_NORM = 0.05
 
 
@@ -146,29 +153,13 @@ def _variant_step(model, x, y, optimizer, scaler, order):
         loss = nn.functional.mse_loss(model(x), y)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
-    params = model.parameters
-    if order == "reduce_then_unscale":
-        mixed_precision.average_gradients(model)
-        scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_(params(), MAX_NORM)
-    elif order == "clip_then_reduce":
-        scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_(params(), MAX_NORM)
-        mixed_precision.average_gradients(model)
-    elif order == "no_clip":
-        mixed_precision.average_gradients(model)
-        scaler.unscale_(optimizer)
-    elif order == "clip_scaled":
-        mixed_precision.average_gradients(model)
-        nn.utils.clip_grad_norm_(params(), MAX_NORM)
-        scaler.unscale_(optimizer)
-    elif order == "no_all_reduce":
-        scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_(params(), MAX_NORM)
-    elif order == "unscale_then_reduce":
-        scaler.unscale_(optimizer)
-        mixed_precision.average_gradients(model)
-        nn.utils.clip_grad_norm_(params(), MAX_NORM)
+    actions = {
+        "reduce": lambda: mixed_precision.average_gradients(model),
+        "unscale": lambda: scaler.unscale_(optimizer),
+        "clip": lambda: nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
+    }
+    for action in VARIANTS[order]:
+        actions[action]()
     scaler.step(optimizer)
     scaler.update()
 
