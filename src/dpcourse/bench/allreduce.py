@@ -72,14 +72,14 @@ def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
 
 
 def report(result: dict) -> None:
-    names = ("ring", "tree", "naive", "ring-step-by-step")
+    columns = {"ring": "ring", "tree": "tree", "naive": "naive", "ring-step-by-step": "step"}
     print(
         f"all-reduce on {result['world_size']} ranks, float32; time as a ratio to "
         "dist.all_reduce (lower is faster), and bus bandwidth"
     )
     print(
         f"{'size':>9} {'library':>10} "
-        + " ".join(f"{n.replace('ring-step-by-step', 'step') + '/lib':>10}" for n in names)
+        + " ".join(f"{label + '/lib':>10}" for label in columns.values())
         + f" {'lib busbw':>10} {'ring busbw':>10} {'ring/lib p10':>13}"
     )
     for r in result["rows"]:
@@ -87,7 +87,7 @@ def report(result: dict) -> None:
         label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
         print(
             f"{label:>9} {r['library_s'] * 1e3:>8.2f}ms "
-            + " ".join(f"{r[n + '_over_library']:>10.2f}" for n in names)
+            + " ".join(f"{r[n + '_over_library']:>10.2f}" for n in columns)
             + f" {r['library_busbw_GBps']:>8.2f}GB/s {r['ring_busbw_GBps']:>8.2f}GB/s"
             + f" {r['ring_p10_over_library']:>13.2f}"
         )
