@@ -1,8 +1,10 @@
 # Data Parallelism from Scratch: every command sets itself up.
 #   make book   build the website, every notebook executed  -> _build/html/index.html
-#   make test   lint, build the book strictly (-W: a cell that raises fails it), run every test
+#   make test   lint; every notebook run once under nbval, the website and the student website
+#               rendered from that run (-W); the unit tests and the tests of the built sites
 #   make lab    open the notebooks in JupyterLab
 #   make browser-test  load every built page in headless Chromium, network closed (after make book)
+#   make gpu-check     on a machine with GPUs: GPU tests, the notebooks on CUDA, GPU benchmarks
 # For instructors:
 #   make student                          student website and notebooks, without solutions
 #   make grade SUBMISSIONS=dir OUT=f.csv  execute submitted notebooks, write a score table
@@ -13,8 +15,18 @@ VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dpcourse-installed
 PYTEST_ARGS ?=
+# The unit tests run on two workers: rank processes wait on each other often enough that a
+# second test process fills the gaps, even on two cores. Set JOBS=0 to run them in one process.
+JOBS ?= 2
+XDIST = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup)
+# Every notebook under nbval, each cell a test with a time limit (seconds).
+CELL_TIMEOUT ?= 600
+NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --timeout=0
+# Where `make notebooks` keeps each notebook as it ran (the websites are rendered from these).
+EXECUTED := _build/executed
 
-.PHONY: setup vendor book student grade test unit lint test-notebooks bench lab clean browser-test
+.PHONY: setup vendor book notebooks site student grade test unit lint test-notebooks bench lab \
+	clean browser-test gpu-check
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,12 +48,42 @@ book: $(STAMP) vendor
 	  echo "printed there and saved under _build/html/reports/)."; exit 1; }
 	@echo "Open _build/html/index.html in a browser."
 
-# The student edition: sources in _build/student (its chapters/ are the hand-out notebooks),
-# website in _build/student/_build/html. Unsolved exercises show "not attempted".
-student: $(STAMP) vendor
+# Every chapter notebook as a test, cell by cell (nbval), run once; each is kept with its
+# outputs in _build/executed/, and a notebook whose cells raised gets a .err.log beside it.
+notebooks: $(STAMP)
+	@rm -rf $(EXECUTED)
+	DPCOURSE_CHECKS_STRICT=1 $(BIN)/python -m pytest chapters $(NBVAL) \
+	  --executed-dir=$(EXECUTED) $(PYTEST_ARGS)
+test-notebooks: notebooks
+
+$(EXECUTED)/chapters: $(wildcard chapters/*.ipynb) $(shell find src -name '*.py')
+	$(MAKE) --no-print-directory notebooks
+
+# The website (_build/html) and the student website rendered from the executed notebooks,
+# without running a cell again. A notebook whose cells raised shows the traceback on its page,
+# and its report is copied to _build/html/reports/.
+site: $(STAMP) vendor
+	@rm -rf _build/html/reports
+	$(BIN)/python -m dpcourse.exercises edition --executed $(EXECUTED) --out _build/full
+	@status=0; $(BIN)/jupyter-book build _build/full --path-output . --all -W --keep-going \
+	  || status=1; \
+	for log in $$(cd $(EXECUTED) && find . -name '*.err.log'); do \
+	  mkdir -p _build/html/reports/$$(dirname $$log); cp $(EXECUTED)/$$log _build/html/reports/$$log; \
+	  echo "A cell raised: see _build/html/reports/$$log"; status=1; done; \
+	$(MAKE) --no-print-directory student-site || status=1; exit $$status
+
+# The student edition: hand-out notebooks without outputs in _build/student/chapters/, and its
+# website in _build/student/_build/html, rendered from the executed notebooks (solutions and
+# their outputs removed; the checks of the stubs say "not attempted").
+student-site: $(STAMP)
 	$(BIN)/python -m dpcourse.exercises student --out _build/student
-	$(BIN)/jupyter-book build _build/student --all -W --keep-going
+	$(BIN)/python -m dpcourse.exercises student --executed $(EXECUTED) --out _build/student-executed
+	$(BIN)/jupyter-book build _build/student-executed --path-output _build/student --all -W \
+	  --keep-going
 	@echo "Student website: _build/student/_build/html/index.html; notebooks: _build/student/chapters/"
+
+student: $(STAMP) vendor $(EXECUTED)/chapters
+	$(MAKE) --no-print-directory student-site
 
 SUBMISSIONS ?= submissions
 OUT ?= scores.csv
@@ -52,19 +94,27 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests chapters
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
-# The full check, as CI runs it: the built site is then tested too (tests/test_site.py).
-test: lint book student
-	DPCOURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
-
-# Each notebook as a test of its own, cell by cell (the book build already runs them all).
-test-notebooks: $(STAMP)
-	$(BIN)/python -m pytest --nbval-lax chapters $(PYTEST_ARGS)
+# The full check, as CI runs it. It goes on after a failing step, so that one run reports
+# every failure (a cell that raised also shows on its page), then fails if any step did.
+test: $(STAMP) vendor
+	@failed=""; \
+	$(MAKE) --no-print-directory lint || failed="$$failed lint"; \
+	$(MAKE) --no-print-directory notebooks || failed="$$failed notebooks"; \
+	$(MAKE) --no-print-directory site || failed="$$failed site"; \
+	DPCOURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) \
+	  || failed="$$failed tests"; \
+	if [ -n "$$failed" ]; then echo "make test failed:$$failed"; exit 1; fi
 
 # The website in a real browser (tests/test_browser.py) and its internal links (tests/test_links.py).
 browser-test: $(STAMP)
 	$(BIN)/python -m pytest tests/test_browser.py tests/test_links.py $(PYTEST_ARGS)
+
+# On a machine with GPUs: the GPU tests, every notebook on CUDA and the GPU benchmarks
+# (tools/gpu_check.sh says what and how long); without a GPU it says so and fails.
+gpu-check: $(STAMP)
+	BIN=$(BIN) bash tools/gpu_check.sh
 
 bench: $(STAMP)
 	$(BIN)/python -m dpcourse.bench launch

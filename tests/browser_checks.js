@@ -159,5 +159,18 @@
   for (const font of document.fonts) {
     if (font.status === 'error') problems.push(`font did not load: ${font.family}`);
   }
+  // No cell output runs off the page: nothing in an output area is wider than its box, so
+  // nothing scrolls sideways (the test's window is 1300 pixels wide, a laptop's).
+  const wide = [];
+  for (const out of document.querySelectorAll('.cell_output')) {
+    for (const el of [out, ...out.querySelectorAll('*')]) {
+      if (el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1) {
+        wide.push(`${el.scrollWidth - el.clientWidth} px too wide: "${short(el.textContent, 60)}"`);
+        break;  // one per output
+      }
+    }
+  }
+  counts.wide_outputs = wide.length;
+  for (const w of wide) problems.push(`a cell output scrolls sideways, ${w}`);
   return {problems, counts, ms: Date.now() - start};
 })

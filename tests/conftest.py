@@ -13,3 +13,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2 or more CUDA GPUs, found {gpus}"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU, found none"))
+
+
+# Ranks started once per test process and reused by every test: `run_ranks` runs on an open
+# pool of its world size and backend. A failed run restarts that pool's ranks (see RankPool),
+# so one test's failure cannot leak into the next (tests/test_shared_pools.py checks it).
+SHARED_WORLD_SIZES = (2, 3, 4)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_rank_pools():
+    from dpcourse.launch import RankPool
+
+    pools = {n: RankPool(n).start(lazy=True) for n in SHARED_WORLD_SIZES}
+    yield pools
+    for pool in pools.values():
+        pool.close()

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from dpcourse import averaging, data, models, replication
+from dpcourse.parameter_averaging import average_parameters, train_parameter_averaging
+from dpcourse.replica_batchnorm import batchnorm_statistics
 
 mse = nn.functional.mse_loss
 
@@ -218,7 +220,7 @@ def test_average_parameters_averages_floats_and_keeps_counters():
     want_w = torch.stack([r.classifier.weight for r in replicas]).mean(0)
     want_mean = torch.stack([r.features[1].running_mean for r in replicas]).mean(0)
     traffic = averaging.Traffic()
-    averaging.average_parameters(replicas, traffic=traffic)
+    average_parameters(replicas, traffic=traffic)
     for r in replicas:
         torch.testing.assert_close(r.classifier.weight, want_w)
         torch.testing.assert_close(r.features[1].running_mean, want_mean)
@@ -231,22 +233,22 @@ def test_parameter_averaging_with_k_1_is_gradient_averaging_and_drifts_as_k_grow
     model, x, y = _setup()
     batches = [(x, y)] * 24
     sync = averaging.train_gradient_averaging(model, batches, 4, mse, _sgd(0.05), (x, y))
-    one = averaging.train_parameter_averaging(model, batches, 4, mse, _sgd(0.05), (x, y), k=1)
+    one = train_parameter_averaging(model, batches, 4, mse, _sgd(0.05), (x, y), k=1)
     assert one.steps == sync.steps
     torch.testing.assert_close(one.losses, sync.losses, rtol=1e-12, atol=1e-12)
     drift = []
     for k in (1, 4, 12):
-        run = averaging.train_parameter_averaging(model, batches, 4, mse, _sgd(0.05), (x, y), k)
+        run = train_parameter_averaging(model, batches, 4, mse, _sgd(0.05), (x, y), k)
         assert run.steps == list(range(0, 25, k))
         drift.append(replication.max_difference(run.model, sync.model))
     assert drift[0] < 1e-12 < drift[1] < drift[2]
     with pytest.raises(ValueError, match="k \\(steps between averagings\\)"):
-        averaging.train_parameter_averaging(model, batches, 4, mse, _sgd(), (x, y), k=0)
+        train_parameter_averaging(model, batches, 4, mse, _sgd(), (x, y), k=0)
 
 
 def test_parameter_averaging_records_the_last_step():
     model, x, y = _setup()
-    run = averaging.train_parameter_averaging(model, [(x, y)] * 10, 2, mse, _sgd(), (x, y), k=4)
+    run = train_parameter_averaging(model, [(x, y)] * 10, 2, mse, _sgd(), (x, y), k=4)
     assert run.steps == [0, 4, 8, 10]
 
 
@@ -256,7 +258,7 @@ def test_batchnorm_statistics_differ_between_replicas():
     model = models.ConvNetBN().double()
     x = data.random_images(32).tensors[0].double()
     before = [b.clone() for b in model.buffers()]
-    stats = averaging.batchnorm_statistics(model, x, 4)
+    stats = batchnorm_statistics(model, x, 4)
     assert [s.layer for s in stats] == ["features.1", "features.5"]
     assert all(torch.equal(b, c) for b, c in zip(before, model.buffers(), strict=True))
     first = stats[0]
@@ -269,4 +271,4 @@ def test_batchnorm_statistics_differ_between_replicas():
     torch.testing.assert_close(total, first.whole_var)
     assert (first.replica_vars - first.whole_var).abs().max() > 1e-3
     with pytest.raises(ValueError, match="no BatchNorm"):
-        averaging.batchnorm_statistics(models.MLP(), torch.randn(8, 5), 2)
+        batchnorm_statistics(models.MLP(), torch.randn(8, 5), 2)

@@ -113,7 +113,7 @@ class Chromium:
             "--mute-audio",
             "--hide-scrollbars",
             "--host-resolver-rules=MAP * ~NOTFOUND",
-            "--window-size=1280,900",
+            "--window-size=1300,900",  # a laptop; outputs must fit (browser_checks.js)
             f"--user-data-dir={profile}",
             "--remote-debugging-port=0",
             "about:blank",
@@ -490,6 +490,12 @@ BREAKAGES = {
     "a script error": (
         lambda h: _break(h, "</body>", "<script>undefinedFunction()</script></body>"),
         "undefinedFunction is not defined",
+    ),
+    "an output wider than the page": (
+        lambda h: _break(
+            h, "<h1>", '<div class="cell_output"><pre>' + "wide " * 300 + "</pre></div><h1>"
+        ),
+        "a cell output scrolls sideways",
     ),
     "TeX outside MathJax's reach": (
         lambda h: _break(h, "<h1>", r"<p>single dollars: $\alpha$</p><h1>"),

@@ -191,6 +191,48 @@ def test_bad_input_gives_clear_errors_on_every_rank():
         assert "root rank must be in [0, 1]" in messages[3]
         assert "same size" in messages[4]
         assert "same dtype" in messages[5]
+    rank0, rank1 = (m[4] for m in run_ranks(bad_inputs, 2))
+    assert "rank 0 has a torch.float32 tensor of shape (3,)" in rank0
+    assert "rank 1, has a torch.float32 tensor of shape (4,)" in rank0
+    assert "rank 1 has a torch.float32 tensor of shape (4,)" in rank1
+
+
+def no_library_collective() -> list[str]:
+    """Every library collective raises here: ours, shape check included, must not need one."""
+    names = ("all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter", "barrier",
+             "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a library collective was called")
+
+    problems = []
+    try:
+        for n in saved:
+            setattr(dist, n, forbidden)
+        x = torch.arange(7.0)
+        for name, call in [
+            ("ring", lambda: C.ring_all_reduce(x.clone())),
+            ("ring step by step", lambda: C.ring_all_reduce(x.clone(), post_ahead=False)),
+            ("ring posted ahead", lambda: C.ring_all_reduce_posted_ahead(x.clone())),
+            ("tree", lambda: C.tree_all_reduce(x.clone())),
+            ("naive", lambda: C.naive_all_reduce(x.clone())),
+            ("reduce-scatter", lambda: C.ring_reduce_scatter(x)),
+            ("all-gather", lambda: C.ring_all_gather(x)),
+            ("broadcast", lambda: C.tree_broadcast(x.clone())),
+        ]:
+            try:
+                call()
+            except AssertionError as exc:
+                problems.append(f"{name}: {exc}")
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+    return problems
+
+
+def test_no_library_collective_is_called_not_even_for_the_shape_check():
+    assert run_ranks(no_library_collective, 3) == [[], [], []]
 
 
 def test_an_error_inside_a_collective_names_the_rank():
@@ -250,6 +292,8 @@ def ring_both_ways(ahead: bool) -> bool:
             dist.all_reduce(want, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
             with C.count_traffic() as t:
                 got = C.ring_all_reduce(x.clone(), op, post_ahead=ahead)
+            if ahead:  # the variant on its own, as chapter 6 shows it
+                ok.append(torch.equal(C.ring_all_reduce_posted_ahead(x.clone(), op), got))
             chunks = [e - s for s, e in chunk_bounds(n, dist.get_world_size())]
             r = dist.get_rank()
             expected_bytes = 4 * ((n - chunks[r]) + (n - chunks[(r + 1) % len(chunks)]))

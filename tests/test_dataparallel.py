@@ -8,6 +8,8 @@ from torch import nn
 
 from dpcourse import dataparallel, models, replication, runtime
 
+mse = nn.functional.mse_loss
+
 
 def test_input_size_recorder_shares_its_log_between_replicas():
     recorder = dataparallel.InputSizeRecorder(models.MLP())
@@ -59,13 +61,33 @@ def test_split_experiment_leaves_devices_idle_when_torch_chunk_does():
     assert [s[0] for s in report.input_sizes] == [2, 2, 2, 2, 1]
 
 
+def test_timed_step_is_data_parallel_step_with_a_clock():
+    """The clocks are outside the step the book shows; the timed copy takes the same step."""
+    batch = (torch.randn(8, 5), torch.randn(8, 2))
+    results = []
+    for timed in (False, True):
+        torch.manual_seed(0)
+        master = models.MLP()
+        replicas = replication.create_replicas(master, ["cpu"] * 2)
+        opt = torch.optim.SGD(master.parameters(), lr=0.1)
+        if timed:
+            loss, timings = dataparallel.timed_step(master, replicas, batch, mse, opt)
+            assert list(timings) == list(dataparallel.PHASES)
+            assert all(t >= 0 for t in timings.values())
+        else:
+            loss = replication.data_parallel_step(master, replicas, batch, mse, opt)
+        results.append((loss, master))
+    assert results[0][0] == results[1][0]
+    assert replication.max_difference(results[0][1], results[1][1]) == 0.0
+
+
 def test_time_phases_reports_every_phase_for_every_n():
     batch = (torch.randn(16, 5), torch.randn(16, 2))
     times = dataparallel.time_phases(models.MLP(), batch, nn.functional.mse_loss, [1, 3],
                                      repeats=2)
     assert list(times) == [1, 3]
     for phases in times.values():
-        assert list(phases) == list(replication.PHASES)
+        assert list(phases) == list(dataparallel.PHASES)
         assert all(t >= 0 for t in phases.values())
 
 

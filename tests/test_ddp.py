@@ -25,11 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcourse import data, ddp, models
+from dpcourse.bench.ddp import timed_backward
+from dpcourse.buckets import MB, bucket_assignment
 from dpcourse.launch import run_ranks
 
 STEPS, LR, BATCH = 6, 0.1, 24  # BATCH: the global batch, divisible by 2 and 4 ranks
 RTOL, ATOL = 1e-5, 1e-6
-B = 1 / ddp.MB  # one byte, in the MiB that bucket_cap_mb counts
+B = 1 / MB  # one byte, in the MiB that bucket_cap_mb counts
 
 
 class Tricky(nn.Module):
@@ -108,28 +110,6 @@ def batches(world: int, rank: int, per_rank_micro: int = 1):
         yield (xs, ys), (xs.chunk(world)[rank], ys.chunk(world)[rank])
 
 
-def wrap(kind: str, model: nn.Module, cap=None, overlap=True):
-    if kind == "step 2":
-        ddp.broadcast_parameters(model)
-        return model
-    if kind == "step 3":
-        return ddp.PerParameterDDP(model)
-    if kind == "DDP":
-        return ddp.DDP(model, bucket_cap_mb=cap, overlap=overlap)
-    if kind == "torch DDP":
-        return nn.parallel.DistributedDataParallel(model, find_unused_parameters=cap == "unused")
-    if kind == "no sync":
-        return model
-    raise ValueError(kind)
-
-
-def synchronise(kind: str, wrapped: nn.Module) -> None:
-    if kind == "step 2":
-        ddp.all_reduce_gradients(wrapped)
-    elif kind in ("step 3", "DDP"):
-        wrapped.finish_gradient_synchronization()
-
-
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -147,22 +127,20 @@ def compare(what: str, got: dict, want: dict, failures: list, rtol=RTOL, atol=AT
     return worst
 
 
-def train_plain(
-    make, kind: str, cap=None, overlap=True, set_to_none=True
-) -> tuple[dict, nn.Module]:
+def train_plain(make, kind: str, options=None, set_to_none=True) -> tuple[dict, nn.Module]:
     """STEPS SGD steps on this rank's shards; the model was seeded differently on every rank.
     With ``set_to_none=False`` DDP's gradients stay views of its buckets between steps, and
     autograd accumulates straight into them."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)
     model = make(rank)
-    wrapped = wrap(kind, model, cap, overlap)
+    wrapped, finish = ddp.wrap(kind, model, **(options or {}))
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     for _, (x, y) in batches(world, rank):
         loss = F.mse_loss(wrapped(x), y)
         opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
-        synchronise(kind, wrapped)
+        finish()
         opt.step()
     return params_of(model), wrapped
 
@@ -190,7 +168,7 @@ def check_plain_models(failures: list, worst: dict) -> None:
     }
     for model_name, (make, caps) in models_and_caps.items():
         want = reference_plain(make)
-        unsynced, _ = train_plain(make, "no sync")
+        unsynced, _ = train_plain(make, "none")
         if dist.get_rank() > 0:  # rank 0 starts from the reference's weights; the others do not
             lost = []
             compare("no synchronisation", unsynced, want, lost)
@@ -200,19 +178,20 @@ def check_plain_models(failures: list, worst: dict) -> None:
                     f"{model_name}: training without synchronisation is only {diff:.2g} away "
                     "from the reference: the comparison cannot fail"
                 )
-        runs = [("step 2", None, True), ("step 3", None, True), ("torch DDP", None, True)]
-        runs += [("DDP", cap, overlap) for cap in caps for overlap in (True, False)]
-        got, wrapped = train_plain(make, "DDP", min(caps), True, set_to_none=False)
+        runs = [("step 2", {}), ("step 3", {}), ("torch DDP", {})]
+        runs += [("DDP", dict(bucket_cap_mb=c, overlap=o)) for c in caps for o in (True, False)]
+        got, wrapped = train_plain(make, "DDP", dict(bucket_cap_mb=min(caps)), set_to_none=False)
         what = f"{model_name}, DDP, zero_grad(set_to_none=False)"
         worst[what] = compare(what, got, want, failures)
         views = {b.buffer.untyped_storage().data_ptr() for b in wrapped.buckets}
         if any(p.grad.untyped_storage().data_ptr() not in views for p in wrapped.reducer.where):
             failures.append(f"{what}: a gradient is not a view of its bucket")
-        for kind, cap, overlap in runs:
+        for kind, options in runs:
+            cap = options.get("bucket_cap_mb")
             what = f"{model_name}, {kind}" + (
-                f", cap {cap * ddp.MB:g} B, overlap={overlap}" if kind == "DDP" else ""
+                f", cap {cap * MB:g} B, overlap={options['overlap']}" if kind == "DDP" else ""
             )
-            got, wrapped = train_plain(make, kind, cap, overlap)
+            got, wrapped = train_plain(make, kind, options)
             worst[what] = compare(what, got, want, failures)
             if kind == "DDP" and bucket_names(wrapped) != caps[cap]:
                 failures.append(f"{what}: buckets {bucket_names(wrapped)}, expected {caps[cap]}")
@@ -247,22 +226,24 @@ def check_unused_parameters(failures: list, worst: dict) -> None:
         loss.backward()
         opt.step()
     want = params_of(ref)
-    runs = [("step 2", None, True), ("torch DDP", "unused", True)]
-    runs += [("DDP", cap, ov) for cap in (0.0, 25.0) for ov in (True, False)]
-    for kind, cap, overlap in runs:
+    runs = [("step 2", {}), ("torch DDP", {"find_unused_parameters": True})]
+    runs += [("DDP", dict(bucket_cap_mb=c, overlap=o)) for c in (0.0, 25.0) for o in (True, False)]
+    for kind, options in runs:
         torch.manual_seed(7)
         model = Branchy()
-        wrapped = wrap(kind, model, cap, overlap)
+        wrapped, finish = ddp.wrap(kind, model, **options)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         for s in range(STEPS):
             xs = x[s * BATCH : (s + 1) * BATCH].chunk(world)[rank]
             ys = y[s * BATCH : (s + 1) * BATCH].chunk(world)[rank]
             opt.zero_grad()
             F.mse_loss(wrapped(xs, uses_extra(s, rank)), ys).backward()
-            synchronise(kind, wrapped)
+            finish()
             opt.step()
         what = f"unused parameters, {kind}" + (
-            f", cap {cap}, overlap={overlap}" if cap != "unused" and cap is not None else ""
+            f", cap {options['bucket_cap_mb']}, overlap={options['overlap']}"
+            if kind == "DDP"
+            else ""
         )
         worst[what] = compare(what, params_of(model), want, failures)
 
@@ -282,7 +263,8 @@ def check_no_sync(failures: list, worst: dict) -> None:
     for kind, overlap in [("DDP", True), ("DDP", False), ("torch DDP", True)]:
         torch.manual_seed(3)
         model = models.MLP()
-        wrapped = wrap(kind, model, 300 * B, overlap)
+        options = dict(bucket_cap_mb=300 * B, overlap=overlap) if kind == "DDP" else {}
+        wrapped, finish = ddp.wrap(kind, model, **options)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         for _, (x, y) in batches(world, rank, micro):
             opt.zero_grad()
@@ -290,7 +272,7 @@ def check_no_sync(failures: list, worst: dict) -> None:
                 ctx = wrapped.no_sync() if k < micro - 1 else contextlib.nullcontext()
                 with ctx:
                     (F.mse_loss(wrapped(xm), ym) / micro).backward()
-            synchronise(kind, wrapped)
+            finish()
             opt.step()
         what = f"no_sync accumulation, {kind}, overlap={overlap}"
         worst[what] = compare(what, params_of(model), want, failures)
@@ -305,14 +287,14 @@ def check_buffers_like_torch(failures: list, worst: dict) -> None:
     for kind in ("DDP", "torch DDP"):
         torch.manual_seed(11 + rank)
         model = models.ConvNetBN()
-        wrapped = wrap(kind, model, 25.0)
+        wrapped, finish = ddp.wrap(kind, model)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         for s in range(3):
             xs = x[s * 16 : (s + 1) * 16].chunk(world)[rank]
             ys = y[s * 16 : (s + 1) * 16].chunk(world)[rank]
             opt.zero_grad()
             F.cross_entropy(wrapped(xs), ys).backward()
-            synchronise(kind, wrapped)
+            finish()
             opt.step()
         results[kind] = {**params_of(model), **{n: b.clone() for n, b in model.named_buffers()}}
     worst["ConvNetBN, DDP vs torch DDP"] = compare(
@@ -406,14 +388,14 @@ def test_errors_without_a_process_group_or_on_several_devices():
 
 
 def test_bucket_assignment():
-    assert ddp.bucket_assignment([], 10) == []
-    assert ddp.bucket_assignment([4, 4, 4], 100) == [[2, 1, 0]]
-    assert ddp.bucket_assignment([4, 4, 4], 0) == [[2], [1], [0]]
-    assert ddp.bucket_assignment([4, 4, 4], 8) == [[2, 1], [0]]
+    assert bucket_assignment([], 10) == []
+    assert bucket_assignment([4, 4, 4], 100) == [[2, 1, 0]]
+    assert bucket_assignment([4, 4, 4], 0) == [[2], [1], [0]]
+    assert bucket_assignment([4, 4, 4], 8) == [[2, 1], [0]]
     # a parameter larger than the cap is alone; its neighbours start new buckets
-    assert ddp.bucket_assignment([1, 50, 1, 1], 8) == [[3, 2], [1], [0]]
+    assert bucket_assignment([1, 50, 1, 1], 8) == [[3, 2], [1], [0]]
     with pytest.raises(ValueError, match="0 or more bytes"):
-        ddp.bucket_assignment([1], -1)
+        bucket_assignment([1], -1)
 
 
 def timeline_on_rank() -> list:
@@ -423,7 +405,7 @@ def timeline_on_rank() -> list:
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
         wrapped = ddp.DDP(model, bucket_cap_mb=64 * 65 * 4 * B, overlap=overlap)  # one per layer
         x = torch.randn(32, 64)
-        timeline = ddp.timed_backward(wrapped, wrapped(x).square().mean())
+        timeline = timed_backward(wrapped, wrapped(x).square().mean())
         out.append((overlap, len(wrapped.buckets), timeline))
     return out
 
@@ -466,22 +448,22 @@ def gpu_on_rank() -> tuple[str, float, int]:
         torch.manual_seed(0)
         model = models.MLP().to(device)
         if kind == "DDP":
-            wrapped = ddp.DDP(model, bucket_cap_mb=300 * B)
+            options = dict(bucket_cap_mb=300 * B)
         else:
-            ids = [device.index] if device.type == "cuda" else None
-            wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            options = dict(device_ids=[device.index] if device.type == "cuda" else None)
+        wrapped, finish = ddp.wrap(kind, model, **options)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         for _, (x, y) in batches(world, rank):
             opt.zero_grad()
             F.mse_loss(wrapped(x.to(device)), y.to(device)).backward()
-            synchronise(kind, wrapped)
+            finish()
             opt.step()
         results[kind] = {n: p.cpu() for n, p in params_of(model).items()}
     diff = max(
         (results["DDP"][n] - results["torch DDP"][n]).abs().max().item() for n in results["DDP"]
     )
     x = torch.randn(8, 5, device=device)
-    timeline = ddp.timed_backward(
+    timeline = timed_backward(
         wrapped_ddp := ddp.DDP(models.MLP().to(device), 300 * B), wrapped_ddp(x).square().mean()
     )
     return device.type, diff, len(timeline.buckets)
@@ -505,3 +487,11 @@ def test_bench_ddp_reports_every_variant(capsys):
     assert result["rows"][0]["over_torch_ddp"] == 1.0
     bench.report(result)
     assert "DDP, 25 MiB buckets, overlapped" in capsys.readouterr().out
+
+
+def test_wrap_names_its_variants():
+    model = nn.Linear(2, 2)
+    wrapped, finish = ddp.wrap("none", model)
+    assert wrapped is model and finish() is None
+    with pytest.raises(ValueError, match="the variants are"):
+        ddp.wrap("step 5", model)

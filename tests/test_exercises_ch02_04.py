@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse import averaging, replication
+from dpcourse import averaging, parameter_averaging, replication
 from dpcourse.exercises import registry, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def test_average_gradients():
 
 
 def test_average_parameters():
-    expect_pass("ex-4-params", averaging.average_parameters)
+    expect_pass("ex-4-params", parameter_averaging.average_parameters)
 
     def summed(replicas):
         with torch.no_grad():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from dpcourse import memory, zero
+from dpcourse import zero, zero_memory
 from dpcourse.exercises import ch09, run_check
 
 
@@ -47,7 +47,7 @@ def test_owner_check():
 
 
 def test_zero_memory_check():
-    assert run_check("ex-9-memory", memory.zero_memory_per_rank).passed
+    assert run_check("ex-9-memory", zero_memory.zero_memory_per_rank).passed
     # floats are fine: the formula with / instead of integer division
     exact = {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}
 
@@ -58,19 +58,20 @@ def test_zero_memory_check():
     assert run_check("ex-9-memory", with_floats).passed
 
     def forgets_fp16_params(psi, n, stage, k=12):
-        return memory.zero_memory_per_rank(psi, n, stage, k) - (2 * psi if stage in (1, 2) else 0)
+        fp16_params = 2 * psi if stage in (1, 2) else 0
+        return zero_memory.zero_memory_per_rank(psi, n, stage, k) - fp16_params
 
     result = run_check("ex-9-memory", forgets_fp16_params)
     assert not result.passed and "2Ψ short" in result.message
 
     def stage2_is_stage1(psi, n, stage, k=12):
-        return memory.zero_memory_per_rank(psi, n, 1 if stage == 2 else stage, k)
+        return zero_memory.zero_memory_per_rank(psi, n, 1 if stage == 2 else stage, k)
 
     result = run_check("ex-9-memory", stage2_is_stage1)
     assert not result.passed and "stage 2 shards the gradients" in result.message
 
     def k_sixteen(psi, n, stage, k=12):
-        return memory.zero_memory_per_rank(psi, n, stage, 16)
+        return zero_memory.zero_memory_per_rank(psi, n, stage, 16)
 
     result = run_check("ex-9-memory", k_sixteen)
     assert not result.passed and "master weights" in result.message

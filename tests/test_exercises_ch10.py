@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dpcourse import costmodel, scaling
+from dpcourse import costmodel, noise_scale, scaling
 from dpcourse.exercises import run_check
 
 
 def _ring(n, nbytes, alpha, beta):
-    return costmodel.predict("ring", n, nbytes, alpha, beta)
+    return costmodel.all_reduce_time("ring", n, nbytes, alpha, beta)
 
 
 # ------------------------------------------------------------------------------- step time
@@ -34,7 +34,7 @@ def test_step_time_check():
     assert not result.passed and "never shorter than its compute" in result.message
 
     def naive_volume(n, c, b, a, beta, o):
-        return c + max(0.0, costmodel.predict("naive", n, b, a, beta) - o * c)
+        return c + max(0.0, costmodel.all_reduce_time("naive", n, b, a, beta) - o * c)
 
     result = run_check("ex-10-step-time", naive_volume)
     assert not result.passed and "naive all-reduce" in result.message
@@ -94,7 +94,7 @@ def test_largest_world_size_check():
 # ------------------------------------------------------------------------------ noise scale
 def test_noise_scale_check():
     def reference(small, big, bs, bb):
-        est = scaling.noise_scale_from_norms(small, big, bs, bb)
+        est = noise_scale.noise_scale_from_norms(small, big, bs, bb)
         return est.g2, est.trace
 
     assert run_check("ex-10-noise-scale", reference).passed
@@ -106,7 +106,7 @@ def test_noise_scale_check():
     assert not result.passed and "|G_big|^2 is biased" in result.message
 
     def flipped(small, big, bs, bb):
-        est = scaling.noise_scale_from_norms(small, big, bs, bb)
+        est = noise_scale.noise_scale_from_norms(small, big, bs, bb)
         return est.g2, -est.trace
 
     result = run_check("ex-10-noise-scale", flipped)
@@ -119,7 +119,7 @@ def test_noise_scale_check():
     assert not result.passed and "which batch size multiplies which norm" in result.message
 
     def ratio_only(small, big, bs, bb):
-        return scaling.noise_scale_from_norms(small, big, bs, bb).b_simple
+        return noise_scale.noise_scale_from_norms(small, big, bs, bb).b_simple
 
     result = run_check("ex-10-noise-scale", ratio_only)
     assert not result.passed and "return both estimates" in result.message

@@ -18,29 +18,32 @@ from dpcourse import launch
 from dpcourse.launch import RankDiedError, RankError, RankPool, RankTimeoutError, run_ranks
 
 
-def live_workers() -> list[int]:
-    """Pids of dpcourse worker processes still alive (zombies excluded), from /proc."""
+def live_workers(keep: frozenset[int] = frozenset()) -> list[int]:
+    """Pids of this test process's dpcourse worker processes still alive (zombies excluded),
+    from /proc, but those in ``keep`` (the ranks of the session's shared pools)."""
     pids = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) in keep:
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if b"dpcourse._worker" in cmdline and state != "Z":
+        state, parent = stat[0], int(stat[1])
+        if b"dpcourse._launch.worker" in cmdline and state != "Z" and parent == os.getpid():
             pids.append(int(entry.name))
     return pids
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_ranks():
+def no_leftover_ranks(shared_rank_pools):
     yield
+    keep = frozenset(pid for pool in shared_rank_pools.values() for pid in pool.pids)
     deadline = time.monotonic() + 5
-    while live_workers() and time.monotonic() < deadline:
+    while live_workers(keep) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert live_workers() == [], "a test left rank processes behind"
+    assert live_workers(keep) == [], "a test left rank processes behind"
 
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs Linux /proc")
@@ -220,7 +223,7 @@ def test_exception_in_a_rank_is_raised_with_rank_and_traceback(world_size, bad_r
         in text
     )
     assert "in maybe_fail" in text and 'raise ValueError(f"rank {bad} got a bad shard")' in text
-    assert "_worker.py" not in text  # the launcher's own frames are hidden
+    assert "_launch/worker.py" not in text  # the launcher's own frames are hidden
 
 
 def test_unpicklable_arguments_fail_before_starting_ranks():
@@ -328,7 +331,7 @@ def test_pool_keeps_ranks_alive_and_run_ranks_uses_it():
         other = run_ranks(pid, 2)  # another world size gets its own, short-lived ranks
         assert set(other).isdisjoint(first)
     assert pool.pids == []
-    assert launch._open_pools == []
+    assert pool not in launch._open_pools
 
 
 def test_pool_recovers_after_a_failed_run():

@@ -171,4 +171,4 @@ def test_chapter_is_numbered_with_objectives_a_download_and_a_place_on_the_map(n
     links = [url for _, url, _ in parse(path).links]
     assert f"../_sources/{name}.ipynb" in links, f"{name} has no download button for its notebook"
     intro = [url for _, url, _ in parse(HTML / "chapters" / "intro.html").links]
-    assert f"{Path(name).name}.html" in intro, f"the course map in intro.md does not link {name}"
+    assert f"{Path(name).name}.html" in intro, f"the course map in intro.ipynb does not link {name}"

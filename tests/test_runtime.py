@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from dpcourse import runtime
-from dpcourse.launch import run_ranks
+from dpcourse.launch import run_ranks, run_torchrun
 
 
 @pytest.mark.parametrize(
@@ -90,9 +87,6 @@ def test_print0_prints_on_rank_zero_only(capfd):
 
 
 def test_under_torchrun(tmp_path):
-    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun is not installed next to this Python")
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent("""
@@ -109,14 +103,7 @@ def test_under_torchrun(tmp_path):
         runtime.teardown()  # safe twice
     """)
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node=2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    proc = run_torchrun(script, 2, timeout=180, env={"OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     backend = runtime.choose_backend(2)
     for r in range(2):

@@ -1,14 +1,14 @@
-"""The scaling model, the measured DDP points and the gradient noise scale (chapter 10)."""
+"""The step-time model and the measured DDP points (chapter 10)."""
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from dpcourse import costmodel, data, models, scaling, simulate
+from dpcourse import costmodel, models, scaling, simulate
+from dpcourse.bench import scaling as bench_scaling
 from dpcourse.launch import run_ranks
 
 # A 1.3B-parameter model in bf16, 32k tokens per GPU per step, on H100s over InfiniBand NDR.
@@ -43,9 +43,10 @@ def test_gradient_bytes_per_dtype():
 
 def test_all_reduce_time_is_chapter_six_ring_with_a_latency_per_bucket():
     for n in (1, 2, 5, 64):
-        one = scaling.all_reduce_time(GRAD, n, **NET)
-        assert one == pytest.approx(costmodel.predict("ring", n, GRAD, **NET))
-        ten = scaling.all_reduce_time(GRAD, n, **NET, buckets=10)
+        one = costmodel.all_reduce_time("ring", n, GRAD, **NET)
+        a, b = costmodel.terms("ring", n)
+        assert one == pytest.approx(a * NET["alpha"] + b * GRAD / NET["beta"])
+        ten = costmodel.all_reduce_time("ring", n, GRAD, **NET, buckets=10)
         assert ten - one == pytest.approx(9 * 2 * (n - 1) * NET["alpha"])
     assert scaling.bucket_count(GRAD) == math.ceil(2.6e9 / (25 * 2**20)) == 100
     assert scaling.bucket_count(1.0) == 1
@@ -60,7 +61,7 @@ def test_all_reduce_time_is_chapter_six_ring_with_a_latency_per_bucket():
 def test_simulated_ring_agrees_with_the_model():
     for n in (2, 4, 8):
         sim = simulate.all_reduce_time("ring", n, GRAD, **NET)
-        assert sim == pytest.approx(scaling.all_reduce_time(GRAD, n, **NET), rel=1e-9)
+        assert sim == pytest.approx(costmodel.all_reduce_time("ring", n, GRAD, **NET), rel=1e-9)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -89,7 +90,7 @@ def test_efficiency_limits():
             else:
                 assert gaps[0] > gaps[1] > gaps[2] > 0 and gaps[2] <= gaps[1] / 50
         # full overlap: perfect scaling while the all-reduce fits behind the compute
-        comm = scaling.all_reduce_time(GRAD, n, **NET)
+        comm = costmodel.all_reduce_time("ring", n, GRAD, **NET)
         full = scaling.step_time(n, COMPUTE, GRAD, **NET, overlap=1.0)
         assert full == pytest.approx(max(COMPUTE, comm))
         assert scaling.step_time(n, COMPUTE, GRAD, **NET) == pytest.approx(COMPUTE + comm)
@@ -117,19 +118,21 @@ def test_step_time_refuses_bad_input():
     with pytest.raises(ValueError, match="mode"):
         scaling.efficiency(2, 1.0, 1.0, 1e-6, 1e9, mode="medium")
     with pytest.raises(ValueError, match="buckets"):
-        scaling.all_reduce_time(1.0, 2, 1e-6, 1e9, buckets=0)
+        costmodel.all_reduce_time("ring", 2, 1.0, 1e-6, 1e9, buckets=0)
 
 
 def test_hierarchical_all_reduce_reduces_to_flat_rings_at_the_extremes():
     intra, inter = scaling.NVLINK4, scaling.IB_NDR
     for n in (1, 2, 8):  # one node
         t = scaling.hierarchical_all_reduce_time(GRAD, n, 8, intra, inter)
-        assert t == pytest.approx(scaling.all_reduce_time(GRAD, n, intra.alpha, intra.beta))
+        flat = costmodel.all_reduce_time("ring", n, GRAD, intra.alpha, intra.beta)
+        assert t == pytest.approx(flat)
     for n in (2, 16, 64):  # one GPU per node
         t = scaling.hierarchical_all_reduce_time(GRAD, n, 1, intra, inter)
-        assert t == pytest.approx(scaling.all_reduce_time(GRAD, n, inter.alpha, inter.beta))
+        flat = costmodel.all_reduce_time("ring", n, GRAD, inter.alpha, inter.beta)
+        assert t == pytest.approx(flat)
     # across nodes it beats a flat ring at the slowest link's speed, by about g
-    flat = scaling.all_reduce_time(GRAD, 64, inter.alpha, inter.beta)
+    flat = costmodel.all_reduce_time("ring", 64, GRAD, inter.alpha, inter.beta)
     two_level = scaling.hierarchical_all_reduce_time(GRAD, 64, 8, intra, inter)
     assert flat / 8 < two_level < flat / 4
     with pytest.raises(ValueError, match="multiple"):
@@ -154,7 +157,7 @@ def test_largest_world_size_agrees_with_brute_force(setting):
 # ------------------------------------------------------------------------ measured points
 def test_ddp_step_times_on_two_ranks():
     results = run_ranks(
-        scaling.ddp_step_times_on_rank, 2, [8, 32], hidden=64, steps=3, warmup=1,
+        bench_scaling.ddp_step_times_on_rank, 2, [8, 32], hidden=64, steps=3, warmup=1,
         comm_sizes=(2**10, 2**16), comm_repeats=3, timeout=120,
     )  # fmt: skip
     r = results[0]
@@ -170,7 +173,7 @@ def test_ddp_step_times_on_two_ranks():
 
 def test_ddp_step_times_on_one_rank_has_no_communication():
     (r,) = run_ranks(
-        scaling.ddp_step_times_on_rank, 1, [4], hidden=16, steps=2, warmup=1, timeout=120
+        bench_scaling.ddp_step_times_on_rank, 1, [4], hidden=16, steps=2, warmup=1, timeout=120
     )
     assert r["world_size"] == 1 and r["comm"] == [0.0] * len(r["comm_sizes"])
 
@@ -178,7 +181,7 @@ def test_ddp_step_times_on_one_rank_has_no_communication():
 @pytest.mark.gpu
 def test_ddp_step_times_run_on_the_gpu():
     (r,) = run_ranks(
-        scaling.ddp_step_times_on_rank, 1, [8], hidden=64, steps=2, warmup=1, timeout=120
+        bench_scaling.ddp_step_times_on_rank, 1, [8], hidden=64, steps=2, warmup=1, timeout=120
     )
     assert r["device"].startswith("cuda") and all(t > 0 for t in r["compute"] + r["ddp"])
 
@@ -186,116 +189,8 @@ def test_ddp_step_times_run_on_the_gpu():
 @pytest.mark.multigpu
 def test_ddp_step_times_on_two_gpus_with_nccl():
     results = run_ranks(
-        scaling.ddp_step_times_on_rank, 2, [8], hidden=64, steps=2, warmup=1,
+        bench_scaling.ddp_step_times_on_rank, 2, [8], hidden=64, steps=2, warmup=1,
         comm_sizes=(2**10, 2**20), comm_repeats=3, timeout=120,
     )  # fmt: skip
     assert [r["device"] for r in results] == ["cuda:0", "cuda:1"]  # one GPU per rank
     assert results[0]["ddp"] == results[1]["ddp"] and all(t > 0 for t in results[0]["comm"])
-
-
-# ----------------------------------------------------------------- the gradient noise scale
-def _gaussian_norms(trials, g, sigma_diag, b, rng):
-    """Squared norms of mean gradients of b examples drawn from N(g, diag(sigma_diag))."""
-    noise = rng.standard_normal((trials, g.size)) * np.sqrt(sigma_diag / b)
-    return ((g + noise) ** 2).sum(1)
-
-
-def test_noise_scale_estimator_is_unbiased_on_gaussian_gradients():
-    rng = np.random.default_rng(0)
-    dim, trials, b_small, b_big = 50, 20000, 4, 64
-    g = rng.standard_normal(dim) * 0.3
-    sigma = rng.uniform(0.5, 2.0, dim)  # a known diagonal covariance per example
-    true_g2, true_trace = float(g @ g), float(sigma.sum())
-    small = _gaussian_norms(trials, g, sigma, b_small, rng)
-    big = _gaussian_norms(trials, g, sigma, b_big, rng)
-    per_trial = [
-        scaling.noise_scale_from_norms(s, b, b_small, b_big)
-        for s, b in zip(small, big, strict=True)
-    ]
-    g2 = np.array([e.g2 for e in per_trial])
-    tr = np.array([e.trace for e in per_trial])
-    # the mean of single-pair estimates is within 4 standard errors of the truth ...
-    assert abs(g2.mean() - true_g2) < 4 * g2.std() / math.sqrt(trials)
-    assert abs(tr.mean() - true_trace) < 4 * tr.std() / math.sqrt(trials)
-    # ... while the naive estimate |G_big|^2 of |G|^2 is biased by tr/b_big, and this test sees it
-    assert abs(big.mean() - true_g2) > 20 * big.std() / math.sqrt(trials)
-    pooled = scaling.noise_scale_from_norms(small.mean(), big.mean(), b_small, b_big)
-    assert pooled.b_simple == pytest.approx(true_trace / true_g2, rel=0.05)
-    with pytest.raises(ValueError, match="b_small"):
-        scaling.noise_scale_from_norms(1.0, 1.0, 8, 8)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: a second intra-op thread only adds waiting, badly so on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def regression():
-    x, y = data.random_regression(num_samples=400, seed=1).tensors
-    torch.manual_seed(0)
-    return models.MLP(), x, y
-
-
-def test_exact_noise_scale_matches_a_loop_over_examples(regression):
-    model, x, y = regression
-    exact = scaling.exact_noise_scale(model, x[:20], y[:20])
-    grads = []
-    for i in range(20):
-        model.zero_grad()
-        torch.nn.functional.mse_loss(model(x[i : i + 1]), y[i : i + 1]).backward()
-        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double())
-    grads = torch.stack(grads)
-    mean = grads.mean(0)
-    assert exact.g2 == pytest.approx(float(mean @ mean), rel=1e-6)
-    assert exact.trace == pytest.approx(float((grads - mean).square().sum(1).mean()), rel=1e-6)
-
-
-def test_two_batch_estimate_of_a_real_model_is_close_to_the_exact_value(regression):
-    model, x, y = regression
-    exact = scaling.exact_noise_scale(model, x, y)
-    est = scaling.measure_noise_scale(model, x, y, b_small=4, b_big=64, repeats=500, seed=3)
-    # within 4 standard errors, and those are small enough to mean something
-    assert abs(est.g2 - exact.g2) < 4 * est.g2_stderr < 0.2 * exact.g2
-    assert abs(est.trace - exact.trace) < 4 * est.trace_stderr < 0.4 * exact.trace
-    # the pooled estimate is the mean of the single pairs' (the estimators are linear)
-    again = scaling.measure_noise_scale(model, x, y, b_small=4, b_big=64, repeats=1, seed=3)
-    assert math.isnan(again.g2_stderr)
-
-
-# ------------------------------------------------------------ steps to a target, trade-off
-def test_fit_recovers_s_min_and_b_crit_and_the_points_lie_on_the_tradeoff_curve():
-    b = np.array([1, 2, 4, 8, 16, 64, 256], dtype=float)
-    s_min, b_crit = 120.0, 13.0
-    steps = s_min * (1 + b_crit / b)
-    got_s, got_e, got_b = scaling.fit_steps_to_target(b, steps)
-    assert (got_s, got_e, got_b) == pytest.approx((s_min, s_min * b_crit, b_crit))
-    ratio_s, ratio_e = steps / s_min, b * steps / (s_min * b_crit)
-    assert scaling.tradeoff_examples(ratio_s) == pytest.approx(ratio_e)
-    assert np.allclose((ratio_s - 1) * (ratio_e - 1), 1.0)
-    with pytest.raises(ValueError, match="greater than 1"):
-        scaling.tradeoff_examples([1.0])
-    with pytest.raises(ValueError, match="two"):
-        scaling.fit_steps_to_target([1], [2])
-
-
-def test_steps_to_target_reaches_the_target_or_says_none(regression):
-    _, x, y = regression
-    steps = scaling.steps_to_target(models.MLP, x, y, 32, 0.2, 0.1, max_steps=1000)
-    assert steps is not None and steps % 5 == 0
-    assert scaling.steps_to_target(models.MLP, x, y, 32, 0.2, 0.0, max_steps=50) is None
-    assert scaling.steps_to_target(models.MLP, x, y, 32, 1e3, 0.1, max_steps=200) is None
-
-
-def test_best_steps_to_target_finds_the_brute_force_minimum(regression):
-    _, x, y = regression
-    lrs = [0.05, 0.1, 0.2, 0.4]
-    brute = {lr: scaling.steps_to_target(models.MLP, x, y, 16, lr, 0.1, 1000) for lr in lrs}
-    want = min(s for s in brute.values() if s is not None)
-    steps, lr = scaling.best_steps_to_target(models.MLP, x, y, 16, lrs, 0.1, 1000)
-    assert steps == want and brute[lr] == want
-    assert scaling.best_steps_to_target(models.MLP, x, y, 16, lrs, 0.0, 20) == (None, None)

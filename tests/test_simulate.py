@@ -14,7 +14,8 @@ from dpcourse.collectives import p2p
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16, 33])
 def test_simulated_time_equals_the_formula(algorithm, world):
     t = simulate.all_reduce_time(algorithm, world, 1e8, alpha=5e-6, beta=12.5e9)
-    assert t == pytest.approx(costmodel.predict(algorithm, world, 1e8, 5e-6, 12.5e9), rel=1e-9)
+    modelled = costmodel.all_reduce_time(algorithm, world, 1e8, 5e-6, 12.5e9)
+    assert t == pytest.approx(modelled, rel=1e-9)
 
 
 def test_the_real_code_runs_and_computes_the_right_values():
@@ -30,6 +31,23 @@ def test_the_real_code_runs_and_computes_the_right_values():
     for x, y in result.results:
         assert x == [i * 15.0 for i in range(10)] and y == 2.0
     assert result.network.messages == 2 * 4 * 5 + 4  # ring: 2(N-1) per rank; tree: N-1
+
+
+def test_the_shape_check_is_one_message_per_rank_and_none_without_it():
+    def body(check):
+        C.ring_all_reduce(torch.ones(12), check_shapes=check)
+
+    without = simulate.run(body, 4, False, alpha=1e-6, beta=1e9).network
+    checked = simulate.run(body, 4, True, alpha=1e-6, beta=1e9).network
+    assert without.messages == 2 * 3 * 4  # the ring's own messages, nothing else
+    assert checked.messages == without.messages + 4  # one to the right neighbour per rank
+
+    def mismatched():  # on 2 ranks each is the other's left neighbour: both raise
+        rank, _ = p2p.rank_and_size()
+        C.ring_all_reduce(torch.ones(3 + rank))
+
+    with pytest.raises(RuntimeError, match=r"rank 0 has a torch.float32 tensor of shape \(3,\)"):
+        simulate.run(mismatched, 2)
 
 
 def test_traffic_is_counted_in_the_simulation_too():
@@ -83,7 +101,7 @@ def test_a_ring_is_as_slow_as_its_slowest_link():
     fast = simulate.all_reduce_time("ring", n, nbytes, alpha=0.0, beta=beta)
     slow = simulate.all_reduce_time("ring", n, nbytes, alpha=0.0, beta=beta,
                                     link_beta={(3, 4): beta / 4})
-    assert fast == pytest.approx(costmodel.predict("ring", n, nbytes, 0.0, beta), rel=1e-9)
+    assert fast == pytest.approx(costmodel.all_reduce_time("ring", n, nbytes, 0.0, beta), rel=1e-9)
     assert slow == pytest.approx(4 * fast, rel=1e-9)
     # a slow link the ring does not use changes nothing
     unused = simulate.all_reduce_time("ring", n, nbytes, alpha=0.0, beta=beta,

@@ -3,7 +3,6 @@ nothing hangs; the SLURM script is valid and its torchrun command line parses.""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from dpcourse import checkpoint, train
-from dpcourse.launch import RankDiedError, RankError, run_ranks
+from dpcourse.launch import RankDiedError, RankError, run_ranks, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -26,13 +25,8 @@ COMMON = ["--steps", "12", "--batch-size", "8", "--num-samples", "256", "--log-e
 def torchrun(
     nproc: int, *args: str, max_restarts: int = 0, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-        "-m", "dpcourse.train", *args,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+    return run_torchrun("dpcourse.train", nproc, args, module=True, timeout=TIMEOUT,
+                        max_restarts=max_restarts, env=env, cwd=ROOT)  # fmt: skip
 
 
 def final_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -215,3 +209,8 @@ def test_sbatch_torchrun_command_line_parses():
     assert "scontrol show hostnames" in text and "head -n1" in text
     assert "#SBATCH --nodes=2" in text
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text  # restarts on several nodes
+
+
+def test_the_trainer_loads_chapter_9_only_for_the_zero_strategy():
+    code = "import sys, dpcourse.train; assert 'dpcourse.zero' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

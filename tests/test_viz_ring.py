@@ -50,3 +50,17 @@ def test_animation_renders_to_javascript():
 def test_a_ring_needs_two_ranks():
     with pytest.raises(ValueError, match="at least 2"):
         viz_ring.ring_frames(1)
+
+
+def test_bytes_per_rank_plot_has_a_dot_series_and_a_line_per_algorithm():
+    import matplotlib.pyplot as plt
+
+    busiest = {"ring": [1.0, 1.5], "naive": [1.0, 3.0]}
+    formulas = {"ring": lambda n: 2 * (n - 1) / n, "naive": lambda n: n - 1}
+    fig = viz_ring.plot_bytes_per_rank([2, 4], busiest, formulas)
+    (ax,) = fig.axes
+    assert len(ax.lines) == 2 * len(busiest)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["ring (counted)", "naive (counted)"]
+    plt.close(fig)
+    assert not plt.get_fignums()

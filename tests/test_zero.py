@@ -16,7 +16,8 @@ from torch import nn
 
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.launch import run_ranks
-from dpcourse.zero import ShardedOptimizer, optimizer_state_bytes, owner_of, shard_bounds
+from dpcourse.memory_measurement import optimizer_state_bytes
+from dpcourse.zero import ShardedOptimizer, owner_of, shard_bounds
 
 STEPS = 10
 # Sharded and unsharded runs sum the gradients over the ranks in different orders, so they
@@ -375,7 +376,7 @@ def _fsdp_on_rank() -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from dpcourse import models
-    from dpcourse.zero import fsdp_step_events
+    from dpcourse.bench.fsdp import fsdp_step_events
 
     torch.manual_seed(0)
     x, y = torch.randn(4, 5), torch.randn(4, 7)
@@ -420,7 +421,7 @@ def test_fsdp2_preview_gathers_twice_and_reduce_scatters_once():
 
 
 def _variants_on_rank() -> dict:
-    from dpcourse.zero import train_variants_on_rank
+    from dpcourse.bench.zero import train_variants_on_rank
 
     return train_variants_on_rank(
         make_model, batch, nn.functional.mse_loss, 5, torch.optim.AdamW, lr=1e-2

@@ -1,8 +1,9 @@
 """Naive gradient averaging through a master copy on the CPU, as a parameter server does it.
 
-Chapter 4. Each replica runs forward and backward on its own shard, with its own mean loss (the
-way DistributedDataParallel will in chapter 7); then the gradients travel to the master, are
-averaged there and travel back, and every replica takes the same optimizer step::
+Chapter 4, sections 4.1-4.4. Each replica runs forward and backward on its own shard, with its
+own mean loss (the way DistributedDataParallel will in chapter 7); then the gradients travel to
+the master, are averaged there and travel back, and every replica takes the same optimizer
+step::
 
     losses = local_backward(replicas, shards, loss_fn)   # per replica: loss, backward
     average_gradients(replicas, weights=sizes)           # device -> CPU -> average -> device
@@ -10,10 +11,12 @@ averaged there and travel back, and every replica takes the same optimizer step:
         opt.step()
 
 :func:`average_gradients` counts the bytes it moves and the time it takes (:class:`Traffic`), so
-the chapter can show that a single master's load grows with the number of replicas. The same
-module holds the two ways of going wrong that the chapter measures: averaging parameters every
-``k`` steps instead of gradients every step (:func:`train_parameter_averaging`), and BatchNorm,
-whose statistics depend on the split (:func:`batchnorm_statistics`).
+the chapter can show that a single master's load grows with the number of replicas. The two
+ways of going wrong that the chapter measures have modules of their own: averaging parameters
+every ``k`` steps instead of gradients every step (:mod:`dpcourse.parameter_averaging`, 4.5),
+and BatchNorm, whose statistics depend on the split (:mod:`dpcourse.replica_batchnorm`, 4.6).
+
+Chapter 4: naive gradient averaging.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dpcourse import runtime
 from dpcourse.replication import (
     chunk_data,
     create_replicas,
@@ -40,13 +44,9 @@ __all__ = [
     "shard_weights",
     "split_by_fractions",
     "average_gradients",
-    "average_parameters",
     "measure_averaging",
     "Run",
     "train_gradient_averaging",
-    "train_parameter_averaging",
-    "BatchNormStats",
-    "batchnorm_statistics",
 ]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -203,41 +203,7 @@ def average_gradients(
             p.grad.copy_(total)  # master -> device
             sent += total.nbytes
     for d in set(devices):
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
-    if traffic is not None:
-        traffic.bytes_to_master += received
-        traffic.bytes_from_master += sent
-        traffic.seconds += time.perf_counter() - start
-
-
-@torch.no_grad()
-def average_parameters(
-    replicas: Sequence[nn.Module],
-    weights: Sequence[float] | None = None,
-    master_device: torch.device | str = "cpu",
-    traffic: Traffic | None = None,
-) -> None:
-    """Set every replica's parameters and floating-point buffers to their (weighted) mean over
-    the replicas, computed on ``master_device``; integer buffers (BatchNorm's batch counter) are
-    taken from replica 0. The step of parameter averaging (local SGD), chapter 4."""
-    devices = replica_devices(replicas)
-    w = _weights(weights, len(replicas), "mean")
-    start = time.perf_counter()
-    received = sent = 0
-    for what in ("parameters", "buffers"):
-        for _, tensors in _tensor_columns(replicas, what):
-            if tensors[0].is_floating_point():
-                mean = torch.zeros_like(tensors[0], device=master_device)
-                for wi, t in zip(w, tensors, strict=True):
-                    mean.add_(t.to(master_device, copy=True), alpha=wi)
-                    received += t.nbytes
-            else:  # every replica sends its counter; the master keeps replica 0's
-                mean = tensors[0].to(master_device, copy=True)
-                received += sum(t.nbytes for t in tensors)
-            for t, d in zip(tensors, devices, strict=True):
-                t.copy_(mean.to(d))
-                sent += mean.nbytes
+        runtime.synchronize(d)
     if traffic is not None:
         traffic.bytes_to_master += received
         traffic.bytes_from_master += sent
@@ -342,99 +308,3 @@ def train_gradient_averaging(
     run.model = replicas[0]
     return run
 
-
-def train_parameter_averaging(
-    model: nn.Module,
-    batches: Sequence[Sequence[torch.Tensor]],
-    n: int,
-    loss_fn: LossFn,
-    make_optimizer: MakeOptimizer,
-    eval_batch: Sequence[torch.Tensor],
-    k: int,
-) -> Run:
-    """Parameter averaging (local SGD): each of ``n`` replicas trains alone on its shards of the
-    batches for ``k`` steps, then their parameters are averaged through the CPU master.
-
-    Each replica keeps its own optimizer (its state is not averaged). The loss on ``eval_batch``
-    of the averaged model is recorded after every averaging, and after the last step (which
-    averages too). With plain SGD and ``k=1`` this is gradient averaging exactly (the average of
-    ``w - lr g_i`` is ``w - lr mean(g_i)``); as ``k`` grows it drifts away. Chapter 4.
-    """
-    if k < 1:
-        raise ValueError(f"k (steps between averagings) must be at least 1, got {k}")
-    replicas = create_replicas(model, devices_for(n))
-    optimizers = [make_optimizer(r.parameters()) for r in replicas]
-    run = Run(steps=[0], losses=[_evaluate(replicas[0], eval_batch, loss_fn)])
-    for step, batch in enumerate(batches, start=1):
-        local_backward(replicas, _shards(batch, n, None), loss_fn)
-        for opt in optimizers:
-            opt.step()
-        if step % k == 0 or step == len(batches):
-            average_parameters(replicas)
-            run.steps.append(step)
-            run.losses.append(_evaluate(replicas[0], eval_batch, loss_fn))
-    run.model = replicas[0]
-    return run
-
-
-# ------------------------------------------------------------------------------ BatchNorm
-@dataclass
-class BatchNormStats:
-    """The batch statistics one BatchNorm layer normalises with: per channel, over the whole
-    batch (``whole_mean``, ``whole_var``: shape ``(C,)``) and over each replica's chunk
-    (``replica_means``, ``replica_vars``: shape ``(n, C)``). Variances are biased, as BatchNorm
-    uses them to normalise."""
-
-    layer: str
-    whole_mean: torch.Tensor
-    whole_var: torch.Tensor
-    replica_means: torch.Tensor
-    replica_vars: torch.Tensor
-
-
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-@torch.no_grad()
-def _bn_inputs(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, _BATCH_NORMS)}
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no BatchNorm layer")
-    stats: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def hook(name: str):
-        def record(_module, args):
-            (inp,) = args
-            dims = [d for d in range(inp.dim()) if d != 1]  # every dimension but the channels
-            stats[name] = (inp.mean(dims), inp.var(dims, unbiased=False))
-
-        return record
-
-    handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
-    try:
-        model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return stats
-
-
-def batchnorm_statistics(model: nn.Module, x: torch.Tensor, n: int) -> list[BatchNormStats]:
-    """What each BatchNorm layer of ``model`` normalises with in training mode, on the whole batch
-    ``x`` and on each of its ``n`` chunks (as ``n`` replicas would see them); one
-    :class:`BatchNormStats` per layer, in order. Runs on a copy in training mode, so ``model`` and
-    its running statistics are not changed. Chapter 4 (SyncBatchNorm comes in chapter 8)."""
-    (replica,) = create_replicas(model, [module_device(model)])
-    replica.train()
-    whole = _bn_inputs(replica, x)
-    per_chunk = [_bn_inputs(replica, chunk) for chunk in chunk_data(x, n)]
-    return [
-        BatchNormStats(
-            layer=name,
-            whole_mean=mean.cpu(),
-            whole_var=var.cpu(),
-            replica_means=torch.stack([c[name][0] for c in per_chunk]).cpu(),
-            replica_vars=torch.stack([c[name][1] for c in per_chunk]).cpu(),
-        )
-        for name, (mean, var) in whole.items()
-    ]

@@ -25,6 +25,8 @@ Layout::
 Resuming restores every generator, so a run that stops and resumes follows the same trajectory,
 bit for bit, as one that never stopped (``tests/test_checkpoint.py`` checks it with
 ``torch.equal``). :mod:`dpcourse.train` uses these functions.
+
+Chapter 8: checkpoints that resume training exactly.
 """
 
 from __future__ import annotations

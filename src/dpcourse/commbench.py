@@ -5,6 +5,8 @@ machine's load hit every implementation alike; each repetition starts after a ba
 counts the slowest rank; the result is the median. Bus bandwidth follows nccl-tests:
 ``algbw = bytes / time`` and ``busbw = algbw * 2(N-1)/N``, which makes a bandwidth-optimal
 all-reduce score the link's bandwidth whatever N is.
+
+Chapter 6: timing the all-reduces side by side on N ranks.
 """
 
 from __future__ import annotations
@@ -87,8 +89,7 @@ def all_reduce_samples_on_rank(
                 dist.barrier()
                 start = time.perf_counter()
                 fns[n](y)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                runtime.synchronize(device)
                 times[n].append(slowest_rank(time.perf_counter() - start, device))
         for n in names:
             samples[n].append(times[n])

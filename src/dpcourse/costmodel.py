@@ -1,4 +1,4 @@
-"""The alpha-beta cost model of the collectives (chapters 6 and 10).
+"""The alpha-beta cost model of the collectives.
 
 Sending ``n`` bytes between two ranks costs ``alpha + n / beta``: ``alpha`` is the latency of
 one message (seconds), ``beta`` the bandwidth (bytes per second). An algorithm is a number of
@@ -13,8 +13,11 @@ ring        2(N-1) alpha             2(N-1)/N n / beta
 ==========  =======================  ===============================
 
 The ring pays the most latency but the least bandwidth, which for large gradients is what
-counts: its bandwidth term does not grow with N. :func:`fit` finds ``alpha`` and ``beta`` from
-measured times by least squares.
+counts: its bandwidth term does not grow with N. :func:`all_reduce_time` is the model (the one
+definition of the course: chapter 10's step time calls it too); :func:`fit` finds ``alpha`` and
+``beta`` from measured times by least squares.
+
+Chapter 6: the alpha-beta cost model of the all-reduces.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ALGORITHMS", "terms", "predict", "Fit", "fit"]
+__all__ = ["ALGORITHMS", "terms", "all_reduce_time", "Fit", "fit"]
 
 ALGORITHMS = ("naive", "tree", "ring")
 
@@ -47,10 +50,26 @@ def terms(algorithm: str, world_size: int) -> tuple[float, float]:
     raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
 
 
-def predict(algorithm: str, world_size: int, size_bytes, alpha: float, beta: float):
-    """Modelled seconds of an all-reduce of ``size_bytes`` (a number or an array)."""
-    a, b = terms(algorithm, world_size)
-    return a * alpha + b * np.asarray(size_bytes, dtype=float) / beta
+def all_reduce_time(
+    algorithm: str,
+    world_size: int,
+    nbytes,
+    alpha: float,
+    beta: float,
+    buckets: int = 1,
+):
+    """Modelled seconds to all-reduce ``nbytes`` (a number or an array) with ``algorithm`` on
+    ``world_size`` ranks over links of latency ``alpha`` and bandwidth ``beta``, cut into
+    ``buckets`` equal all-reduces one after the other (DDP's buckets, chapter 7): every bucket
+    pays the latency term, the bytes are paid once. For the ring:
+    ``buckets * 2(N-1) alpha + 2(N-1)/N * nbytes / beta``."""
+    if not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if buckets < 1:
+        raise ValueError(f"buckets must be at least 1, got {buckets}")
+    latencies, volume = terms(algorithm, int(world_size))
+    seconds = buckets * latencies * alpha + volume * np.asarray(nbytes, dtype=float) / beta
+    return float(seconds) if seconds.ndim == 0 else seconds
 
 
 @dataclass(frozen=True)
@@ -61,7 +80,8 @@ class Fit:
     beta: float  # bytes per second
 
     def predict(self, size_bytes):
-        return predict(self.algorithm, self.world_size, size_bytes, self.alpha, self.beta)
+        """Modelled seconds of an all-reduce of ``size_bytes`` with the fitted alpha and beta."""
+        return all_reduce_time(self.algorithm, self.world_size, size_bytes, self.alpha, self.beta)
 
 
 def fit(

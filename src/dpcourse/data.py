@@ -8,6 +8,8 @@ The course has two running examples, both introduced in chapter 1:
 Nothing is downloaded: every data set comes from a seeded ``torch.Generator``, so the same seed
 gives the same tensors on every machine, in every process, whatever the global RNG state.
 :func:`shard_indices` splits a data set between ranks (chapters 3, 4 and 7).
+
+Chapter 1: training on one device (the data sets every chapter uses).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@
 as it is. Each experiment here therefore runs ``nn.DataParallel`` where the machine has the GPUs
 it needs, and otherwise the same four phases from :mod:`dpcourse.replication` on the devices
 :func:`~dpcourse.replication.devices_for` gives (the CPU, repeated), and says which it ran.
+The clocks live here, outside the step that chapter 3 shows: :func:`timed_step` reads one after
+each phase of :func:`~dpcourse.replication.data_parallel_step`.
+
+Chapter 2: the idea of data parallelism, ``nn.DataParallel``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ __all__ = [
     "InputSizeRecorder",
     "SplitReport",
     "split_experiment",
+    "PHASES",
+    "timed_step",
     "time_phases",
     "time_parallel_apply",
     "peak_memory_per_gpu",
@@ -130,6 +136,59 @@ def split_experiment(n: int, batch_size: int = 30, in_features: int = 5) -> Spli
     )
 
 
+# The phases of a manual nn.DataParallel step that time_phases reports, in the order they run.
+PHASES = ("replicate", "scatter", "forward", "gather", "loss+backward", "reduce", "update")
+
+
+def timed_step(
+    master: nn.Module,
+    replicas: Sequence[nn.Module],
+    batch: Sequence[torch.Tensor],
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer,
+    threads: bool = True,
+) -> tuple[float, dict[str, float]]:
+    """:func:`~dpcourse.replication.data_parallel_step`, phase by phase, with a clock read after
+    each (once the devices it ran on have finished: :func:`dpcourse.runtime.synchronize`).
+    Returns the loss and the seconds of each phase of ``PHASES``; the update is the same."""
+    R = replication
+    devices = R.replica_devices(replicas)
+    master_device = R.module_device(master)
+    *inputs, target = batch
+    timings: dict[str, float] = {}
+    clock = [time.perf_counter()]
+
+    def lap(phase: str, *where: torch.device) -> None:
+        for d in set(where):
+            runtime.synchronize(d)
+        now = time.perf_counter()
+        timings[phase] = now - clock[0]
+        clock[0] = now
+
+    R.broadcast_parameters(master, replicas)
+    for r in replicas:
+        r.zero_grad(set_to_none=True)
+    lap("replicate", *devices)
+    chunks = R.scatter(inputs, devices)
+    lap("scatter", *devices)
+    outputs = R.parallel_apply(replicas, chunks, threads=threads)
+    lap("forward", *devices)
+    output = R.gather(outputs, devices[0])
+    lap("gather", devices[0])
+    loss = loss_fn(output, target.to(devices[0]))
+    loss.backward()
+    lap("loss+backward", *devices)
+    with torch.no_grad():
+        for src, dst in zip(replicas[0].buffers(), master.buffers(), strict=True):
+            dst.copy_(src)
+    optimizer.zero_grad(set_to_none=True)
+    R.reduce_gradients(replicas[: len(chunks)], master)
+    lap("reduce", master_device)
+    optimizer.step()
+    lap("update", master_device)
+    return loss.item(), timings
+
+
 def time_phases(
     model: nn.Module,
     batch: Sequence[torch.Tensor],
@@ -138,12 +197,12 @@ def time_phases(
     repeats: int = 5,
     threads: bool = False,
 ) -> dict[int, dict[str, float]]:
-    """Seconds per phase of :func:`~dpcourse.replication.data_parallel_step` for each number of
-    replicas in ``ns`` (on ``devices_for(n)``, the master on the CPU, plain SGD): for each phase
-    the shortest of ``repeats`` steps (the cost without interference from other work on the
-    machine), after one untimed step. The forwards run one after another unless ``threads``:
-    worker threads that each start the math library's own threads would make the forward's time
-    depend on how busy the machine is. Chapter 2 plots it."""
+    """Seconds per phase of :func:`~dpcourse.replication.data_parallel_step` (run as
+    :func:`timed_step`) for each number of replicas in ``ns`` (on ``devices_for(n)``, the master
+    on the CPU, plain SGD): for each phase the shortest of ``repeats`` steps (the cost without
+    interference from other work on the machine), after one untimed step. The forwards run one
+    after another unless ``threads``: worker threads that each start the math library's own
+    threads would make the forward's time depend on how busy the machine is. Chapter 2 plots it."""
     results = {}
     for n in ns:
         master = replication.device_copy(model, "cpu")
@@ -151,13 +210,11 @@ def time_phases(
         optimizer = torch.optim.SGD(master.parameters(), lr=1e-3)
         replication.data_parallel_step(master, replicas, batch, loss_fn, optimizer,
                                        threads=threads)
-        runs = []
-        for _ in range(repeats):
-            timings: dict[str, float] = {}
-            replication.data_parallel_step(master, replicas, batch, loss_fn, optimizer,
-                                           threads=threads, timings=timings)
-            runs.append(timings)
-        results[n] = {phase: min(r[phase] for r in runs) for phase in replication.PHASES}
+        runs = [
+            timed_step(master, replicas, batch, loss_fn, optimizer, threads=threads)[1]
+            for _ in range(repeats)
+        ]
+        results[n] = {phase: min(r[phase] for r in runs) for phase in PHASES}
     return results
 
 
@@ -180,8 +237,7 @@ def time_parallel_apply(
                 with torch.no_grad():
                     replication.parallel_apply(replicas, inputs, threads=threads)
                 for d in set(devices):
-                    if d.type == "cuda":
-                        torch.cuda.synchronize(d)
+                    runtime.synchronize(d)
                 times.append(time.perf_counter() - start)
             results[label].append(min(times[1:]))
     return results
@@ -213,5 +269,5 @@ def peak_memory_per_gpu(
         loss.backward()
         optimizer.step()
     for d in devices:
-        torch.cuda.synchronize(d)
+        runtime.synchronize(d)
     return [torch.cuda.max_memory_allocated(d) for d in devices]

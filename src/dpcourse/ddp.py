@@ -7,49 +7,39 @@
 3. :class:`PerParameterDDP`: the same all-reduces, launched asynchronously (``async_op=True``)
    from autograd hooks (``register_post_accumulate_grad_hook``) while backward is still running,
    and waited for in :meth:`~PerParameterDDP.finish_gradient_synchronization`.
-4. :class:`DDP`: gradients grouped, in reverse registration order, into :class:`Bucket` s of at
-   most ``bucket_cap_mb``; each bucket is one flat tensor whose slices *are* the parameters'
-   ``.grad`` (like torch's ``gradient_as_bucket_view=True``), and one asynchronous all-reduce
-   per bucket starts as soon as the bucket is full. :class:`BucketManager` is the reducer.
+4. :class:`DDP`: gradients grouped into buckets of at most ``bucket_cap_mb``, one asynchronous
+   all-reduce per bucket as soon as it is full (the buckets and the reducer,
+   :class:`~dpcourse.buckets.BucketManager`, are in :mod:`dpcourse.buckets`).
 
-The names follow PyTorch's DDP design note and paper (Li et al., 2020) and picotron. Every step
-is tested against single-process training and torch's DDP in ``tests/test_ddp.py``; the
-benchmark ``python -m dpcourse.bench ddp`` times them against torch's DDP.
+:func:`wrap` makes any of them (or torch's DDP) from its name. Each step is tested against
+single-process training and torch's DDP (``tests/test_ddp.py``) and timed by ``python -m
+dpcourse.bench ddp``. The names follow PyTorch's DDP (Li et al., 2020).
 
-What is not here: torch's smaller first bucket (1 MiB, so that communication starts early), the
-bucket order rebuilt after the first step from the order gradients arrived in, communication
-hooks (fp16 compression), and ``find_unused_parameters``' extra all-reduce that leaves gradients
-of parameters no rank used as ``None`` (here they become zeros, which plain SGD ignores).
+Chapter 7: DistributedDataParallel from scratch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dpcourse.buckets import MB, Bucket, BucketManager
 
 __all__ = [
     "broadcast_parameters",
     "broadcast_buffers",
     "all_reduce_gradients",
     "PerParameterDDP",
-    "bucket_assignment",
-    "Bucket",
-    "BucketManager",
     "DDP",
-    "BucketTiming",
-    "StepTimeline",
-    "timed_backward",
+    "VARIANTS",
+    "wrap",
     "epoch_indices",
 ]
-
-MB = 2**20  # bucket_cap_mb counts mebibytes, as torch's DDP does
 
 
 # ------------------------------------------------------------------------------- checks
@@ -203,177 +193,6 @@ class PerParameterDDP(nn.Module):
 
 
 # ------------------------------------------------------------------------------- step 4
-def bucket_assignment(param_bytes: Sequence[int], cap_bytes: float) -> list[list[int]]:
-    """Group parameters into buckets: ``param_bytes[i]`` is parameter i's gradient size in
-    bytes, in registration order; returns lists of indices, first bucket first.
-
-    Buckets are filled in *reverse* registration order, because backward produces the last
-    layer's gradients first. A bucket takes parameters while its size stays within
-    ``cap_bytes``; a parameter larger than the cap gets a bucket of its own (torch's DDP would
-    let it spill into the current bucket). ``cap_bytes=0`` gives one bucket per parameter.
-    """
-    if cap_bytes < 0:
-        raise ValueError(f"the bucket cap must be 0 or more bytes, got {cap_bytes}")
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for i in reversed(range(len(param_bytes))):
-        if current and size + param_bytes[i] > cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += param_bytes[i]
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-@dataclass(eq=False)
-class Bucket:
-    """Gradients that travel together: one flat tensor ``buffer`` whose slices are the
-    ``params``' gradients (``offsets[i]`` is where ``params[i]`` starts)."""
-
-    index: int
-    params: list[nn.Parameter]
-    offsets: list[int]
-    buffer: torch.Tensor
-    views: list[torch.Tensor] = field(default_factory=list)
-    ready: list[bool] = field(default_factory=list)  # which gradients arrived this step
-    pending: int = 0  # gradients still to come in this step
-    work: dist.Work | None = None  # the all-reduce in flight, if launched
-
-    def __post_init__(self) -> None:
-        self.views = [
-            self.buffer[o : o + p.numel()].view_as(p)
-            for p, o in zip(self.params, self.offsets, strict=True)
-        ]
-        self.reset()
-
-    def reset(self) -> None:
-        self.ready = [False] * len(self.params)
-        self.pending = len(self.params)
-        self.work = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-    def take_gradient(self, i: int) -> None:
-        """Make ``params[i].grad`` a view of this bucket, copying it in if autograd put it in
-        a tensor of its own (after ``zero_grad(set_to_none=True)``); zeros if there is none."""
-        p, view = self.params[i], self.views[i]
-        if p.grad is None:
-            view.zero_()
-            p.grad = view
-        elif p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
-
-
-@dataclass
-class BucketTiming:
-    """One bucket in one step: seconds since backward started (see :func:`timed_backward`)."""
-
-    index: int
-    nbytes: int
-    launched_s: float
-    completed_s: float
-
-
-@dataclass
-class StepTimeline:
-    """When backward ended and each bucket's all-reduce was launched and completed; chapter 7
-    plots it with :func:`dpcourse.viz_ddp.plot_timeline`."""
-
-    backward_s: float
-    finished_s: float
-    buckets: list[BucketTiming]
-
-
-class BucketManager:
-    """The reducer: puts parameters into buckets, counts the gradients that have arrived, and
-    launches each bucket's all-reduce, in bucket order, once all its gradients are in.
-
-    Buckets are launched strictly in index order on every rank: collectives are matched by
-    the order in which ranks call them, so a rank that launched bucket 1 before bucket 0 would
-    pair its bucket 1 with another rank's bucket 0.
-    """
-
-    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: float, world_size: int) -> None:
-        self.world_size = world_size
-        self.buckets: list[Bucket] = []
-        self.where: dict[nn.Parameter, tuple[Bucket, int]] = {}
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in params:  # a flat buffer holds one dtype
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for group in by_dtype.values():
-            sizes = [p.numel() * p.element_size() for p in group]
-            for indices in bucket_assignment(sizes, cap_bytes):
-                members = [group[i] for i in indices]
-                offsets = [sum(p.numel() for p in members[:k]) for k in range(len(members))]
-                total = offsets[-1] + members[-1].numel()
-                buffer = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
-                bucket = Bucket(len(self.buckets), members, offsets, buffer)
-                self.buckets.append(bucket)
-                for k, p in enumerate(members):
-                    self.where[p] = (bucket, k)
-                    p.grad = bucket.views[k] if p.grad is None else p.grad
-        self.next_to_launch = 0
-        self.ready_in_backward = 0  # gradients marked ready since the last finish()
-        self.t0: float | None = None  # set by timed_backward: record a timeline
-        self.timings: list[BucketTiming] = []
-
-    def mark_ready(self, param: nn.Parameter, launch: bool) -> None:
-        """``param``'s gradient is complete: move it into its bucket, and if ``launch``,
-        start every bucket that is now full and next in line."""
-        bucket, k = self.where[param]
-        if bucket.ready[k]:
-            raise RuntimeError(
-                "a parameter received its gradient twice before finish_gradient_synchronization()"
-                ": call backward once per step, or accumulate inside ddp.no_sync() and call "
-                "finish_gradient_synchronization() after the last backward"
-            )
-        bucket.ready[k] = True
-        bucket.take_gradient(k)
-        bucket.pending -= 1
-        self.ready_in_backward += 1
-        if launch:
-            while (
-                self.next_to_launch < len(self.buckets)
-                and self.buckets[self.next_to_launch].pending == 0
-            ):
-                self._launch(self.buckets[self.next_to_launch])
-
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.buffer.div_(self.world_size)  # mean = sum of (gradient / N)
-        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
-        self.next_to_launch = bucket.index + 1
-        if self.t0 is not None:
-            timing = BucketTiming(bucket.index, bucket.nbytes, time.perf_counter() - self.t0, -1.0)
-            self.timings.append(timing)
-            t0 = self.t0
-
-            def done(fut, timing=timing, t0=t0):
-                timing.completed_s = time.perf_counter() - t0
-                return None
-
-            bucket.work.get_future().then(done)
-
-    def finish(self) -> None:
-        """Launch the buckets still waiting (missing gradients count as zeros), wait for all,
-        and reset for the next step."""
-        for bucket in self.buckets[self.next_to_launch :]:
-            for k, ready in enumerate(bucket.ready):
-                if not ready:
-                    bucket.take_gradient(k)
-            self._launch(bucket)
-        for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.reset()
-        self.next_to_launch = 0
-        self.ready_in_backward = 0
-
-
 class DDP(nn.Module):
     """DistributedDataParallel from scratch (chapter 7, step 4): bucketed, overlapped.
 
@@ -465,27 +284,29 @@ class DDP(nn.Module):
             self.require_backward_grad_sync = previous
 
 
-def timed_backward(ddp: DDP, loss: torch.Tensor) -> StepTimeline:
-    """``loss.backward()`` and ``ddp.finish_gradient_synchronization()``, recording when each
-    bucket's all-reduce was launched and completed, relative to the start of backward.
+# ------------------------------------------------------------------------------ variants
+VARIANTS = ("none", "step 2", "step 3", "DDP", "torch DDP")
 
-    Completion is when the backend reported it (a callback on the all-reduce's future): exact
-    for gloo; for NCCL it can be earlier than the GPU's work (use torch.profiler there).
-    """
-    reducer = ddp.reducer
-    reducer.timings = []
-    reducer.t0 = t0 = time.perf_counter()
-    try:
-        loss.backward()
-        backward_s = time.perf_counter() - t0
-        ddp.finish_gradient_synchronization()
-        finished_s = time.perf_counter() - t0
-    finally:
-        reducer.t0 = None
-    deadline = time.perf_counter() + 1.0
-    while any(t.completed_s < 0 for t in reducer.timings) and time.perf_counter() < deadline:
-        time.sleep(1e-4)  # the callbacks may run a moment after wait() returns
-    return StepTimeline(backward_s, finished_s, sorted(reducer.timings, key=lambda t: t.index))
+
+def wrap(variant: str, module: nn.Module, **options) -> tuple[nn.Module, Callable[[], None]]:
+    """``module`` prepared as one of ``VARIANTS``: ``"none"`` (no communication), ``"step 2"``,
+    ``"step 3"``, ``"DDP"`` or ``"torch DDP"`` (``options`` go to :class:`DDP` or torch's
+    ``DistributedDataParallel``). Returns ``(wrapped, finish)``: forward through ``wrapped``;
+    call ``finish()`` after backward, before ``optimizer.step()``."""
+    if variant == "none":
+        return module, lambda: None
+    if variant == "step 2":
+        broadcast_parameters(module)
+        return module, lambda: all_reduce_gradients(module)
+    if variant == "step 3":
+        wrapped = PerParameterDDP(module)
+        return wrapped, wrapped.finish_gradient_synchronization
+    if variant == "DDP":
+        wrapped = DDP(module, **options)
+        return wrapped, wrapped.finish_gradient_synchronization
+    if variant == "torch DDP":
+        return nn.parallel.DistributedDataParallel(module, **options), lambda: None
+    raise ValueError(f"unknown variant {variant!r}; the variants are {VARIANTS}")
 
 
 # ------------------------------------------------------------------------------- sampling

@@ -15,6 +15,8 @@ comes with a **warm-up**: start from the single-rank learning rate and ramp up l
 scaled one over the first steps. :func:`large_batch_run` simulates N ranks' effective batch on one
 process (one batch of N·B samples is exactly what N ranks of B average over), so the chapter can
 compare the rules on measured loss curves.
+
+Chapter 8: learning-rate scaling rules and warm-up.
 """
 
 from __future__ import annotations

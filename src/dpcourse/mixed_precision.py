@@ -22,7 +22,10 @@ Why this order: the all-reduce is linear, so scaling commutes with it, but unsca
 the scaler looks for infs; after the all-reduce an inf on one rank is an inf on every rank, and
 every rank skips the step together (:func:`inf_on_one_rank`). Clipping needs the norm of the
 gradient of the *global* batch: clipping each rank's gradient before the all-reduce gives a
-different update from single-device training (:func:`clipping_order_on_rank`).
+different update from single-device training (:func:`clipping_order_on_rank`). The gradients
+are averaged with chapter 7's :func:`dpcourse.ddp.all_reduce_gradients`.
+
+Chapter 8: mixed precision and gradient clipping in data-parallel training.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpcourse.ddp import all_reduce_gradients
+
 __all__ = [
     "FP16_SMALLEST_SUBNORMAL",
     "underflow_fraction",
     "autocast_gradient_zeros",
-    "average_gradients",
     "amp_dp_step",
     "clipping_order_on_rank",
     "inf_on_one_rank",
@@ -85,16 +89,6 @@ def autocast_gradient_zeros(
     return (grad == 0).double().mean().item()
 
 
-def average_gradients(model: nn.Module) -> None:
-    """All-reduce every gradient of ``model`` and divide by the world size (the ``manual``
-    strategy of :mod:`dpcourse.train`; chapter 4's averaging with a collective)."""
-    world = dist.get_world_size()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= world
-
-
 def amp_dp_step(
     model: nn.Module,
     x: torch.Tensor,
@@ -105,14 +99,15 @@ def amp_dp_step(
     dtype: torch.dtype = torch.float16,
 ) -> float:
     """One data-parallel mixed-precision step in the right order (the module docstring says
-    why): autocast forward, scaled backward, :func:`average_gradients`, unscale, clip to
+    why): autocast forward, scaled backward, chapter 7's
+    :func:`~dpcourse.ddp.all_reduce_gradients`, unscale, clip to
     ``max_norm``, ``scaler.step``, ``scaler.update``. MSE loss; returns this rank's loss.
     Run it on every rank with the rank's own ``x, y``; chapter 8's exercise asks for it."""
     with torch.autocast(x.device.type, dtype=dtype):
         loss = nn.functional.mse_loss(model(x), y)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
-    average_gradients(model)
+    all_reduce_gradients(model)
     scaler.unscale_(optimizer)
     nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     scaler.step(optimizer)
@@ -154,13 +149,13 @@ def clipping_order_on_rank(max_norm: float = 0.5) -> dict[str, list[torch.Tensor
     mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
 
     backward(x[mine], y[mine])
-    average_gradients(model)
+    all_reduce_gradients(model)
     nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     right = grads()
 
     backward(x[mine], y[mine])
     nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    average_gradients(model)
+    all_reduce_gradients(model)
     wrong = grads()
     cpu = lambda ts: [t.cpu() for t in ts]  # noqa: E731
     return {"single": cpu(single), "reduce_then_clip": cpu(right), "clip_then_reduce": cpu(wrong)}
@@ -193,11 +188,11 @@ def inf_on_one_rank(order: str) -> dict[str, object]:
         model.weight.grad[0, 0] = float("inf")  # this rank's scaled gradient overflowed
     before = model.weight.detach().clone()
     if order == "reduce_then_unscale":
-        average_gradients(model)
+        all_reduce_gradients(model)
         scaler.unscale_(optimizer)
     else:
         scaler.unscale_(optimizer)
-        average_gradients(model)
+        all_reduce_gradients(model)
     scaler.step(optimizer)
     scaler.update()
     return {

@@ -8,6 +8,8 @@
 None of them seeds anything: their initial weights come from the global RNG, so
 ``torch.manual_seed(s)`` before construction makes them reproducible (every rank of a
 data-parallel job calls it with the same ``s`` to start from the same model).
+
+Chapter 1: training on one device (the models every chapter uses).
 """
 
 from __future__ import annotations

@@ -11,16 +11,18 @@ and chapter 2 uses them to show the phases on machines that have fewer GPUs than
 :func:`data_parallel_step` puts them together into one training step that gives the same loss,
 gradients and updated weights as one device on the whole batch (and as ``nn.DataParallel``).
 
-A "device" is anything ``torch.device`` accepts. The same device may appear several times: on a
+The batch phases (``chunk_data``, ``scatter``, ``parallel_apply``, ``gather``) are in
+:mod:`dpcourse.scatter_gather` and importable from here. A "device" is anything ``torch.device``
+accepts. The same device may appear several times: on a
 CPU-only machine ``devices_for(4)`` is the CPU four times, and every function here works on it
 (the copies between devices are then copies in memory).
+
+Chapter 2: the idea of data parallelism (chapter 3 writes each phase out).
 """
 
 from __future__ import annotations
 
 import copy
-import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 
@@ -28,9 +30,9 @@ import torch
 from torch import nn
 
 from dpcourse import runtime
+from dpcourse.scatter_gather import chunk_data, gather, parallel_apply, scatter
 
 __all__ = [
-    "PHASES",
     "devices_for",
     "module_device",
     "replica_devices",
@@ -50,8 +52,6 @@ __all__ = [
 
 Device = torch.device | str
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# The phases that data_parallel_step times, in the order it runs them.
-PHASES = ("replicate", "scatter", "forward", "gather", "loss+backward", "reduce", "update")
 
 
 # --------------------------------------------------------------------------------- devices
@@ -133,113 +133,6 @@ def replica_devices(replicas: Sequence[nn.Module]) -> list[torch.device]:
     return devices
 
 
-# ------------------------------------------------------------------------------ the batch
-def _batch_tensors(batch: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    tensors = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-    if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise TypeError("a batch is a tensor or a tuple of tensors (inputs..., target)")
-    if any(t.dim() == 0 for t in tensors):
-        raise ValueError("a batch needs a first (batch) dimension; got a 0-dimensional tensor")
-    sizes = {len(t) for t in tensors}
-    if len(sizes) > 1:
-        raise ValueError(f"the tensors of a batch must have the same first dimension, got {sizes}")
-    return tensors
-
-
-def chunk_data(batch: torch.Tensor | Sequence[torch.Tensor], n: int) -> list:
-    """Split a batch along its first dimension into ``n`` nearly equal chunks, like
-    ``torch.chunk`` (and so like ``nn.DataParallel``'s scatter).
-
-    ``batch`` is a tensor ``(B, ...)`` or a tuple of them with the same ``B``; the chunks are
-    views of the same type. Chunks hold ``ceil(B / n)`` samples, the last one what is left, so
-    30 into 8 gives seven chunks of 4 and one of 2. As with ``torch.chunk``, that rule can make
-    fewer than ``n`` chunks (9 into 8 gives 2, 2, 2, 2, 1): ``nn.DataParallel`` then uses only
-    as many devices as there are chunks, and so does :func:`data_parallel_step`. Raises
-    ``ValueError`` for an empty batch or one smaller than ``n``. Chapters 2 and 3.
-    """
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n (the number of replicas) must be a positive integer, got {n!r}")
-    tensors = _batch_tensors(batch)
-    size = len(tensors[0])
-    if size == 0:
-        raise ValueError("the batch is empty: there is nothing to split between the replicas")
-    if size < n:
-        raise ValueError(
-            f"a batch of {size} sample(s) cannot be split between {n} replicas (each needs at "
-            f"least one): use a batch of at least {n} samples, or at most {size} replicas"
-        )
-    pieces = [t.chunk(n) for t in tensors]
-    if isinstance(batch, torch.Tensor):
-        return list(pieces[0])
-    return [tuple(p) for p in zip(*pieces, strict=True)]
-
-
-def scatter(
-    batch: torch.Tensor | Sequence[torch.Tensor], devices: Sequence[Device]
-) -> list[tuple[torch.Tensor, ...]]:
-    """:func:`chunk_data` into ``len(devices)`` chunks, chunk ``i`` moved to ``devices[i]``.
-
-    Always returns tuples (a tensor batch gives 1-tuples), ready for ``replica(*chunk)``.
-    May return fewer chunks than devices (see :func:`chunk_data`). Chapters 2 and 3.
-    """
-    devices = [torch.device(d) for d in devices]
-    chunks = chunk_data(_batch_tensors(batch), len(devices))
-    return [tuple(t.to(d) for t in chunk) for chunk, d in zip(chunks, devices, strict=False)]
-
-
-def parallel_apply(
-    replicas: Sequence[nn.Module],
-    inputs: Sequence[tuple[torch.Tensor, ...]],
-    threads: bool = True,
-) -> list[torch.Tensor]:
-    """``[replicas[i](*inputs[i]) for i ...]``, each forward in a thread of its own.
-
-    Like ``nn.DataParallel``, one Python process drives every replica: with ``threads=True`` the
-    forwards overlap as far as the GIL allows (on GPUs, while one thread waits for its kernels,
-    another launches its own); ``threads=False`` runs them one after another, in order. Uses the
-    first ``len(inputs)`` replicas. An exception in a replica is raised here, naming it.
-    Chapters 2 and 3.
-    """
-    if len(inputs) > len(replicas):
-        raise ValueError(f"{len(inputs)} inputs but only {len(replicas)} replicas")
-    jobs = list(zip(replicas, inputs, strict=False))
-    results: list = [None] * len(jobs)
-    # Grad mode is a thread-local setting: the worker threads must inherit the caller's.
-    grad_enabled = torch.is_grad_enabled()
-
-    def work(i: int) -> None:
-        replica, args = jobs[i]
-        try:
-            with torch.set_grad_enabled(grad_enabled):
-                results[i] = replica(*args)
-        except BaseException as exc:  # handed to the caller below
-            results[i] = exc
-
-    if threads and len(jobs) > 1:
-        workers = [threading.Thread(target=work, args=(i,)) for i in range(len(jobs))]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    else:
-        for i in range(len(jobs)):
-            work(i)
-    for i, result in enumerate(results):
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"replica {i} failed in its forward pass: {result!r}") from result
-    return results
-
-
-def gather(outputs: Sequence[torch.Tensor], device: Device) -> torch.Tensor:
-    """The replicas' outputs concatenated along dim 0 on ``device`` (differentiable: the backward
-    pass sends each replica the gradient of its own rows). Chapters 2 and 3."""
-    if not outputs:
-        raise ValueError("no outputs to gather")
-    if not all(isinstance(o, torch.Tensor) for o in outputs):
-        raise TypeError("gather expects one tensor per replica (a model returning one tensor)")
-    return torch.cat([o.to(device) for o in outputs])
-
-
 # ---------------------------------------------------------------------- keeping copies equal
 def _check_same_structure(master: nn.Module, replica: nn.Module, i: int) -> None:
     mine = [(n, p.shape, p.dtype, p.requires_grad) for n, p in master.named_parameters()]
@@ -300,13 +193,6 @@ def reduce_gradients(replicas: Sequence[nn.Module], master: nn.Module) -> None:
         p.grad = total
 
 
-def _sync(devices: Sequence[torch.device]) -> None:
-    # CUDA runs asynchronously: a phase has ended only when its kernels have.
-    for d in set(devices):
-        if d.type == "cuda":
-            torch.cuda.synchronize(d)
-
-
 def data_parallel_step(
     master: nn.Module,
     replicas: Sequence[nn.Module],
@@ -315,7 +201,6 @@ def data_parallel_step(
     optimizer: torch.optim.Optimizer,
     output_device: Device | None = None,
     threads: bool = True,
-    timings: dict[str, float] | None = None,
 ) -> float:
     """One training step of manual data parallelism, the way ``nn.DataParallel`` takes it.
 
@@ -333,45 +218,29 @@ def data_parallel_step(
     Because the loss is that of the whole batch, the result equals one device's step on the
     whole batch, up to rounding, whatever the split. Buffers (BatchNorm's running statistics) come
     back from replica 0 alone, as in ``nn.DataParallel``, whose replica 0 shares the module's
-    buffers. Returns the loss (before the update). If ``timings`` is a dict, the seconds of each
-    phase (see ``PHASES``) are added to it. Chapters 2 and 3.
+    buffers. Returns the loss (before the update). Chapters 2 and 3 (chapter 2 times each phase
+    with :func:`dpcourse.dataparallel.time_phases`).
     """
     devices = replica_devices(replicas)
-    master_device = module_device(master)
+    module_device(master)  # the master lives on one device (any one)
     output_device = devices[0] if output_device is None else torch.device(output_device)
     *inputs, target = batch
     if not inputs:
         raise ValueError("a training batch is (inputs..., target): got the target only")
-    clock = [time.perf_counter()]
-
-    def lap(phase: str, *where: torch.device) -> None:
-        if timings is not None:
-            _sync(where)
-            now = time.perf_counter()
-            timings[phase] = timings.get(phase, 0.0) + now - clock[0]
-            clock[0] = now
-
-    broadcast_parameters(master, replicas)
+    broadcast_parameters(master, replicas)  # replicate
     for r in replicas:
         r.zero_grad(set_to_none=True)
-    lap("replicate", *devices)
-    chunks = scatter(inputs, devices)
-    lap("scatter", *devices)
-    outputs = parallel_apply(replicas, chunks, threads=threads)
-    lap("forward", *devices)
-    output = gather(outputs, output_device)
-    lap("gather", output_device)
+    chunks = scatter(inputs, devices)  # scatter
+    outputs = parallel_apply(replicas, chunks, threads=threads)  # forward
+    output = gather(outputs, output_device)  # gather
     loss = loss_fn(output, target.to(output_device))
-    loss.backward()
-    lap("loss+backward", *devices)
+    loss.backward()  # loss+backward: reaches every replica
     with torch.no_grad():
         for src, dst in zip(replicas[0].buffers(), master.buffers(), strict=True):
             dst.copy_(src)
     optimizer.zero_grad(set_to_none=True)
-    reduce_gradients(replicas[: len(chunks)], master)
-    lap("reduce", master_device)
-    optimizer.step()
-    lap("update", master_device)
+    reduce_gradients(replicas[: len(chunks)], master)  # reduce
+    optimizer.step()  # update
     return loss.item()
 
 

@@ -10,6 +10,8 @@ A rank learns who it is from the same environment variables that ``torchrun`` se
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``). :mod:`dpcourse.launch` sets them too, so a function that calls
 :func:`device` or :func:`current` runs unchanged under either launcher.
+
+Chapter 0: the course-wide runtime and launcher.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "device",
     "is_rank_zero",
     "print0",
+    "synchronize",
 ]
 
 DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=5)
@@ -89,7 +92,7 @@ def gpu_count() -> int:
 def describe_machine() -> Machine:
     """What this machine has: CPU cores, GPUs, torch and the distributed backends.
 
-    Used by chapter 0 (``intro.md``) and by the benchmarks, which record it next to their results.
+    Used by chapter 0 (``intro.ipynb``) and by the benchmarks, which record it beside their results.
     """
     n = gpu_count()
     names = tuple(torch.cuda.get_device_name(i) for i in range(n))
@@ -255,3 +258,15 @@ def print0(*args, **kwargs) -> None:
     """``print`` on rank 0 only: the usual way to log once per job."""
     if is_rank_zero():
         print(*args, **kwargs)
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for the work queued on ``device`` (this rank's :func:`device` by default).
+
+    CUDA kernels and NCCL collectives return as soon as they are queued, so a timer read right
+    after them measures the launch, not the work; every measurement in the course calls this
+    before reading the clock. On the CPU it does nothing.
+    """
+    device = torch.device(device) if device is not None else current().device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,4 +1,4 @@
-"""A simulated network: the course's collective code on many virtual ranks (chapters 6, 10).
+"""A simulated network: the course's collective code on many virtual ranks.
 
 Real ranks are processes; a machine runs a handful. Here each virtual rank is a thread, and the
 message layer of :mod:`dpcourse.collectives.p2p` hands its sends and receives to a
@@ -11,7 +11,10 @@ bytes can start once both sides have posted it and both links are free; it then 
 message moves its clock to the message's arrival. ``bytes_scale`` lets a tensor of a few
 elements stand for a gradient of a gigabyte: the data that moves is small, the bytes that are
 charged are large. The simulation agrees with the alpha-beta formulas of :mod:`dpcourse.costmodel`
-(tested), and also shows what they leave out where the code deviates from them.
+(tested), and also shows what they leave out where the code deviates from them. Chapter 10
+uses it too (a slow link).
+
+Chapter 6: a simulated network that runs the collectives on many virtual ranks.
 """
 
 from __future__ import annotations
@@ -167,8 +170,9 @@ def run(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` virtual ranks of a simulated network.
 
     Inside ``fn``, the course's collectives (and :mod:`dpcourse.collectives.p2p`) see the
-    virtual rank and world size; torch.distributed itself is not available. Pass
-    ``check_shapes=False`` to the collectives (the check uses torch.distributed).
+    virtual rank and world size; torch.distributed itself is not available. The collectives'
+    shape check runs over the simulated links too, and costs one message per rank of simulated
+    time: pass ``check_shapes=False`` to time the algorithm alone.
     ``link_beta`` maps directed links ``(src, dst)`` to a bandwidth other than ``beta``.
     """
     net = SimulatedNetwork(world_size, alpha, beta, bytes_scale, link_beta)
@@ -207,8 +211,10 @@ def all_reduce_time(
     link_beta: dict[tuple[int, int], float] | None = None,
 ) -> float:
     """Simulated seconds of one all-reduce of ``nbytes`` bytes with the course's ``algorithm``
-    ("ring", "tree" or "naive") on ``world_size`` ranks. The code runs on one float32 element
-    per rank (so the ring's chunks are equal), each charged as ``nbytes / world_size`` bytes.
+    ("ring", "tree" or "naive") on ``world_size`` ranks: the arguments of
+    :func:`dpcourse.costmodel.all_reduce_time`, which it agrees with (tested). The code runs on
+    one float32 element per rank (so the ring's chunks are equal), each charged as
+    ``nbytes / world_size`` bytes.
     ``link_beta``: bandwidths of particular directed links, as in :class:`SimulatedNetwork`."""
     from dpcourse import collectives as C
 

@@ -22,6 +22,8 @@ gradient all-reduce of DDP (or of chapter 4's averaging) combines them like ever
 raises ``ValueError``. :class:`SyncBatchNorm` here works on any device and backend, and
 ``tests/test_practice.py`` checks it against ``BatchNorm`` on the concatenated batch: outputs,
 running statistics and gradients.
+
+Chapter 8: synchronised batch normalisation from scratch.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Read it top to bottom: it is one function that does what chapters 1-9 built, in 
 Strategies (``--strategy``), all training the same model on the same global batches:
 
 * ``single``: one process, no communication (chapter 1);
-* ``manual``: all-reduce every gradient after backward, then step (chapter 4's averaging);
+* ``manual``: all-reduce every gradient after backward, then step (chapter 7's step 2);
 * ``ddp-scratch``: the course's :class:`dpcourse.ddp.DDP`, bucketed and overlapped (chapter 7);
 * ``ddp-torch``: ``torch.nn.parallel.DistributedDataParallel``;
 * ``zero``: :class:`dpcourse.zero.ShardedOptimizer`, ZeRO stage 1 (chapter 9).
@@ -23,6 +23,8 @@ logs. ``--crash-at-step`` makes one rank die, to show what a failure looks like 
 
 ``main(argv)`` also runs inside :func:`dpcourse.launch.run_ranks` (the process group exists
 then) and returns a summary dict; tests use it.
+
+Chapter 8: the data-parallel trainer.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from dpcourse import checkpoint, runtime
+from dpcourse import checkpoint, ddp, runtime
 from dpcourse.lr_schedule import RULES, lr_at
-from dpcourse.mixed_precision import average_gradients
 
 STRATEGIES = ("single", "manual", "ddp-scratch", "ddp-torch", "zero")
+# the variant of dpcourse.ddp.wrap each strategy trains with ("none" for the others)
+VARIANT_OF_STRATEGY = {"manual": "step 2", "ddp-scratch": "DDP", "ddp-torch": "torch DDP"}
 MODELS = ("mlp", "transformer")
 
 __all__ = ["STRATEGIES", "MODELS", "parse_args", "main"]
@@ -191,15 +194,13 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- model and optimizer for the strategy
     model.to(device)
     raw_model = model
-    if args.strategy == "ddp-scratch":
-        from dpcourse.ddp import DDP
-
-        model = DDP(model)
-    elif args.strategy == "ddp-torch":
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    variant = VARIANT_OF_STRATEGY.get(args.strategy, "none")  # chapter 7's variants, by name
+    options = {}
+    if variant == "torch DDP":
+        options["device_ids"] = [device.index] if device.type == "cuda" else None
+    model, synchronise = ddp.wrap(variant, model, **options)
     if args.strategy == "zero":
-        from dpcourse.zero import ShardedOptimizer
+        from dpcourse.zero import ShardedOptimizer  # chapter 9, loaded only for this strategy
 
         optimizer = ShardedOptimizer(
             raw_model.parameters(), torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay
@@ -252,12 +253,10 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # scale(loss) is loss itself unless --amp fp16
 
-            # average the (scaled) gradients over the ranks
-            if args.strategy == "manual":
-                average_gradients(raw_model)
-            elif args.strategy == "ddp-scratch":
-                model.finish_gradient_synchronization()
-            # (ddp-torch synchronised during backward; zero does it inside optimizer.step())
+            # average the (scaled) gradients over the ranks (manual: all-reduce them now;
+            # ddp-scratch: wait for the buckets; ddp-torch synchronised during backward; zero
+            # does it inside optimizer.step())
+            synchronise()
 
             # unscale once, clip the synchronised gradients, step (skipped if any inf)
             if args.grad_clip > 0:

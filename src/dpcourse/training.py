@@ -13,6 +13,8 @@ the model's output with the target. ``(x, y)`` from :func:`dpcourse.data.random_
 Everything else here is bookkeeping around that step: the loss history, the wall time, a
 progress bar, and a throughput measurement. Later chapters (3, 7, 8) reuse :func:`train_step` and
 compare their data-parallel runs with :func:`train`.
+
+Chapter 1: the single-device training loop.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from dpcourse.data import PAD, DigitsToWords, decode_words, encode_digits
+from dpcourse.runtime import synchronize
 
 __all__ = [
     "History",
@@ -281,12 +284,6 @@ def translation_accuracy(model: nn.Module, dataset: DigitsToWords, batch_size: i
 
 
 # ------------------------------------------------------------------------------ throughput
-def _sync(device: torch.device) -> None:
-    # CUDA kernels run asynchronously: without this a timer measures only the launch.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_throughput(
     model: nn.Module,
     make_batch: Callable[[int], Batch],
@@ -315,10 +312,10 @@ def measure_throughput(
             train_step(replica, batch, optimizer, loss_fn)
         times = []
         for _ in range(steps):
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             train_step(replica, batch, optimizer, loss_fn)
-            _sync(device)
+            synchronize(device)
             times.append(time.perf_counter() - t0)
         results.append((batch_size, batch_size / statistics.median(times)))
     return results

@@ -1,8 +1,10 @@
 """Plots for the chapters, so that notebooks stay short. Each function draws on ``ax`` (a new
 figure when ``None``) and returns the axes; nothing here calls ``plt.show``.
 
-Chapter 1: :func:`plot_dataset`, :func:`plot_mlp`, :func:`plot_loss`, :func:`plot_throughput`,
+:func:`plot_dataset`, :func:`plot_mlp`, :func:`plot_loss`, :func:`plot_throughput`,
 :func:`plot_memory_breakdown`, :func:`plot_will_it_fit`.
+
+Chapter 1: plots of the data, the model, the loss, throughput and memory.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Plots of chapter 7: the communication timeline of DDP and step time against bucket size."""
+"""Plots of chapter 7: the communication timeline of DDP and step time against bucket size.
+
+Chapter 7: plots of DDP's timeline and bucket sizes.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from dpcourse.ddp import StepTimeline
+from dpcourse.bench.ddp import StepTimeline
 
 __all__ = ["plot_timeline", "plot_bucket_sizes"]
 

@@ -5,6 +5,8 @@ Chapter 2: :func:`plot_shard_gradients`, :func:`plot_dropout_masks`, :func:`plot
 :func:`plot_phase_times`, :func:`plot_curves`. Chapter 3: :func:`plot_chunks`,
 :func:`plot_curves`. Chapter 4: :func:`plot_averaging_cost`, :func:`plot_runs`,
 :func:`plot_batchnorm_statistics`.
+
+Chapter 4: naive gradient averaging (the plots of chapters 2-4).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import numpy as np
 import torch
 from matplotlib.axes import Axes
 
-from dpcourse.averaging import BatchNormStats, Run
+from dpcourse.averaging import Run
+from dpcourse.replica_batchnorm import BatchNormStats
 
 __all__ = [
     "plot_shard_gradients",

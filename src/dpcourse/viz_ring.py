@@ -4,11 +4,15 @@ The frames follow :func:`dpcourse.collectives.ring.ring_schedule`, the schedule 
 runs, and track which ranks' contributions each chunk holds: at the start rank r holds only its
 own ("a" for rank 0, "b" for rank 1, ...); after the reduce-scatter rank r holds the sum of
 chunk r ("a+b+c+d"); after the all-gather every rank holds every sum. Chapter 6 checks that the
-final state equals what the real ring computes.
+final state equals what the real ring computes. :func:`plot_bytes_per_rank` draws the bytes
+each algorithm's busiest rank sends, counted against the formulas.
+
+Chapter 6: the ring all-reduce animated, and the bytes each rank sends.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
@@ -186,3 +190,26 @@ def ring_explorer(max_world: int = 8):
     index.observe(redraw, "value")
     redraw()
     return widgets.VBox([widgets.HBox([world, index]), out])
+
+
+def plot_bytes_per_rank(
+    world_sizes: Sequence[int],
+    busiest: Mapping[str, Sequence[float]],
+    formulas: Mapping[str, Callable[[int], float]],
+) -> plt.Figure:
+    """Gradients sent by the busiest rank against N: ``busiest[name]`` (counted, one dot per
+    world size) and ``formulas[name]`` (a line over N = 2 to the largest world size), one colour
+    per all-reduce."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    xs = list(range(2, max(world_sizes) + 1))
+    for name, values in busiest.items():
+        (line,) = ax.plot(world_sizes, values, "o", label=f"{name} (counted)")
+        ax.plot(xs, [formulas[name](x) for x in xs], "-", color=line.get_color(), alpha=0.5)
+    ax.set(
+        xlabel="ranks N",
+        ylabel="gradients sent by the busiest rank",
+        title="Bytes sent per rank, ~1 MiB gradient (dots counted, lines formulas)",
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig

@@ -22,13 +22,13 @@ Flat sharding splits tensors across ranks, so every rank's share is 1/N of the e
 one. Optimizers that look at a whole tensor at once (LAMB's or Adafactor's per-tensor norms) would
 see slices instead; ``torch.distributed.optim.ZeroRedundancyOptimizer`` gives whole tensors to
 ranks instead, which keeps such optimizers exact but balances the state less evenly.
+
+Chapter 9: sharded optimizers (ZeRO stages 1 and 2) from scratch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,19 +37,13 @@ from torch import nn
 
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.collectives.p2p import rank_and_size
-from dpcourse.collectives.ring import _all_gather_, _reduce_scatter_
+from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
 from dpcourse.collectives.tree import tree_broadcast
 
 __all__ = [
     "ShardedOptimizer",
     "shard_bounds",
     "owner_of",
-    "optimizer_state_bytes",
-    "record_collectives",
-    "fsdp_step_events",
-    "VARIANTS",
-    "make_variant",
-    "train_variants_on_rank",
 ]
 
 
@@ -75,18 +69,6 @@ def owner_of(index: int, numel: int, world_size: int) -> int:
     if index < extra * (base + 1):
         return index // (base + 1)
     return extra + (index - extra * (base + 1)) // base
-
-
-def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of every tensor in ``optimizer.state`` (a torch optimizer or a ShardedOptimizer):
-    what this rank keeps for the optimizer, measured, not estimated."""
-    state = optimizer.state
-    return sum(
-        t.nbytes
-        for per_param in state.values()
-        for t in per_param.values()
-        if isinstance(t, torch.Tensor)
-    )
 
 
 @dataclass
@@ -247,7 +229,7 @@ class ShardedOptimizer:
                 elif p.grad.data_ptr() != flat_grad[s:e].data_ptr():  # not moved by the hook
                     flat_grad[s:e].copy_(p.grad.reshape(-1))
             if self.world_size > 1:
-                _reduce_scatter_(flat_grad.tensor_split(self.world_size), "sum", self.rank)
+                ring_reduce_scatter_(flat_grad.tensor_split(self.world_size), "sum", self.rank)
             if self.stage == 1:
                 g.shard.grad.div_(self.world_size)  # a view of flat_grad[start:end]
             else:
@@ -260,7 +242,7 @@ class ShardedOptimizer:
         self.optimizer.step()
         for g in self._groups:
             if self.world_size > 1 and g.numel > 0:
-                _all_gather_(g.flat.tensor_split(self.world_size), self.rank)
+                ring_all_gather_(g.flat.tensor_split(self.world_size), self.rank)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (``None``, or zeros with ``set_to_none=False``)."""
@@ -381,173 +363,3 @@ def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
             if p.requires_grad and not p.is_leaf:
                 raise ValueError("can only optimize leaf tensors (model parameters)")
     return groups
-
-
-# ------------------------------------------------------------- ZeRO-3 preview: torch's FSDP2
-_COLLECTIVES = {  # torch.distributed function -> (what it is, which argument has the full size)
-    "all_gather_single": ("all-gather", "output"),
-    "all_gather_into_tensor": ("all-gather", "output"),
-    "reduce_scatter_single": ("reduce-scatter", "input"),
-    "reduce_scatter_tensor": ("reduce-scatter", "input"),
-    "all_reduce": ("all-reduce", "tensor"),
-}
-
-
-@contextlib.contextmanager
-def record_collectives() -> Iterator[list[tuple[str, str, int]]]:
-    """Log the collectives that Python code calls through ``torch.distributed`` in the block.
-
-    Yields a list that fills with ``("collective", kind, bytes)``, where bytes is the size of the
-    whole tensor (the gathered output, the input that is reduce-scattered); code may append its
-    own markers. It sees calls made from Python, as FSDP2's are, not those made from C++ (DDP's
-    reducer). Chapter 9 uses it to show what FSDP gathers when.
-    """
-    import torch.distributed as dist
-
-    log: list[tuple[str, str, int]] = []
-    originals = {}
-
-    def wrap(name: str, kind: str, arg: str, original):
-        position = 0 if arg in ("output", "tensor") else 1
-
-        @functools.wraps(original)
-        def recorded(*args, **kwargs):
-            t = kwargs.get(arg, args[position] if len(args) > position else None)
-            if isinstance(t, torch.Tensor):
-                log.append(("collective", kind, t.numel() * t.element_size()))
-            return original(*args, **kwargs)
-
-        return recorded
-
-    for name, (kind, arg) in _COLLECTIVES.items():
-        if hasattr(dist, name):
-            originals[name] = getattr(dist, name)
-            setattr(dist, name, wrap(name, kind, arg, originals[name]))
-    try:
-        yield log
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
-def fsdp_step_events(
-    model: nn.Module,
-    layers: list[str],
-    inputs: tuple,
-    loss_fn: Callable,
-    target: torch.Tensor,
-    reshard_root: bool = True,
-) -> tuple[list[tuple[str, str, int]], int]:
-    """Runs on every rank: wrap ``model`` with FSDP2 (``fully_shard`` on each submodule named in
-    ``layers``, then on the model, whose group holds the remaining parameters), run one forward
-    and backward, and return what happened in order, ``("forward"|"backward", layer, 0)``
-    markers between ``("collective", kind, bytes)`` entries, with this rank's number of
-    parameter elements after sharding. ``reshard_root``: free the root's gathered parameters
-    after forward too (pure ZeRO-3; FSDP's default keeps them for backward)."""
-    import warnings
-
-    from torch.distributed.fsdp import fully_shard
-
-    modules = dict(model.named_modules())
-    with record_collectives() as log, warnings.catch_warnings():
-        # FSDP2 warns that a layer returned a view (an in-place op on it would skip its
-        # pre-backward hook); nothing here modifies outputs in place.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
-
-        def mark_backward(module, args, output, name) -> None:
-            # the gradient of the layer's output arrives just before the layer's backward
-            output.register_hook(lambda grad: log.append(("backward", name, 0)))
-
-        for name in layers:
-            module = modules[name]
-            module.register_forward_pre_hook(
-                lambda m, args, name=name: log.append(("forward", name, 0))
-            )
-            module.register_forward_hook(functools.partial(mark_backward, name=name))
-            fully_shard(module)
-        fully_shard(model, reshard_after_forward=reshard_root)
-        local = sum(p.to_local().numel() for p in model.parameters())
-        loss_fn(model(*inputs), target).backward()
-    return log, local
-
-
-# ---------------------------------------------------------- side by side (chapter 9, bench)
-VARIANTS = ("DDP, unsharded", "ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2")
-
-
-def make_variant(
-    name: str, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any
-) -> tuple[nn.Module, Any, Any]:
-    """One way to train ``model`` on every rank of a process group, by ``name``:
-
-    * ``"DDP, unsharded"``: torch's ``DistributedDataParallel`` and an unsharded
-      ``optimizer_cls`` (plain data parallelism);
-    * ``"ZeroRedundancyOptimizer"``: torch's DDP and ``ZeroRedundancyOptimizer(optimizer_cls)``;
-    * ``"ShardedOptimizer"`` / ``"ShardedOptimizer s2"``: :class:`ShardedOptimizer`, stage 1 / 2.
-
-    Returns ``(module to call, optimizer, the optimizer that holds this rank's state)``.
-    """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    if name == "DDP, unsharded":
-        opt = optimizer_cls(model.parameters(), **kwargs)
-        return DistributedDataParallel(model), opt, opt
-    if name == "ZeroRedundancyOptimizer":
-        zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_cls, **kwargs)
-        return DistributedDataParallel(model), zro, zro.optim
-    if name in ("ShardedOptimizer", "ShardedOptimizer s2"):
-        stage = 2 if name.endswith("s2") else 1
-        opt = ShardedOptimizer(model.parameters(), optimizer_cls, stage=stage, **kwargs)
-        return model, opt, opt
-    raise ValueError(f"unknown variant {name!r}; the variants are {VARIANTS}")
-
-
-def train_variants_on_rank(
-    make_model: Callable[[], nn.Module],
-    make_batch: Callable[[int, int], tuple],
-    loss_fn: Callable,
-    steps: int,
-    optimizer_cls: type[torch.optim.Optimizer],
-    variants: tuple[str, ...] = VARIANTS,
-    return_params: bool = True,
-    **optimizer_kwargs: Any,
-) -> dict[str, dict[str, Any]]:
-    """Runs on every rank: train a fresh ``make_model()`` for ``steps`` steps in each way of
-    :func:`make_variant`, on batches ``make_batch(step, rank)`` = ``(inputs..., target)``.
-
-    Returns, per variant: ``losses`` (mean over ranks, per step), ``params`` (the final
-    parameters, flattened, on the CPU), ``state_bytes`` (this rank's optimizer state) and
-    ``grad_bytes`` (gradient memory this rank holds after the last step: the model's ``.grad``
-    tensors plus ShardedOptimizer's own flat gradient buffer or gradient shard). With
-    ``return_params=False``, ``params`` is ``None`` (large models travel back faster). Chapter 9.
-    """
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for name in variants:
-        model = make_model()
-        module, opt, holder = make_variant(name, model, optimizer_cls, **optimizer_kwargs)
-        losses = []
-        for step in range(steps):
-            *inputs, target = make_batch(step, rank)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(module(*inputs), target)
-            loss.backward()
-            opt.step()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
-        grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
-        if isinstance(opt, ShardedOptimizer):
-            grad_bytes += opt.gradient_bytes()
-        out[name] = {
-            "losses": losses,
-            "params": torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
-            if return_params
-            else None,
-            "state_bytes": optimizer_state_bytes(holder),
-            "grad_bytes": grad_bytes,
-        }
-    return out

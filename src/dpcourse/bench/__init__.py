@@ -7,6 +7,8 @@ machine it ran on (``--json FILE``). Speed is checked here, never by timed unit 
 A benchmark is a module ``dpcourse/bench/<name>.py`` defining ``HELP`` (one line),
 ``add_arguments(parser)``, ``run(args) -> dict`` (JSON-able) and ``report(result)`` (prints the
 table); :func:`main` finds every such module. ``python -m dpcourse.bench --help`` lists them.
+
+Chapter 0: the course-wide measurement rigs.
 """
 
 from __future__ import annotations

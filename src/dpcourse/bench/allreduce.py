@@ -1,7 +1,9 @@
 """``python -m dpcourse.bench allreduce``: the course's all-reduces against ``dist.all_reduce``.
 
 The ring, tree and naive all-reduce of :mod:`dpcourse.collectives` against the library on N ranks,
-1 KiB to 64 MiB, as time ratios to the library and bus bandwidth (chapter 6).
+1 KiB to 64 MiB, as time ratios to the library and bus bandwidth.
+
+Chapter 6: the all-reduces timed against the library's.
 """
 
 from __future__ import annotations

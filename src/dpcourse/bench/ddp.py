@@ -9,7 +9,10 @@ alike); each step starts after
 a barrier and counts as long as its slowest rank; the table shows medians and their ratio to
 torch's DDP. Models: an MLP of 4 layers of width 1024 (batch 64 per rank) and the course's
 :class:`~dpcourse.models.TinyTransformer` (DigitsToWords, batch 64 per rank).
-Chapter 7 uses :func:`time_variants_on_rank` for its bucket-size plot.
+Chapter 7 uses :func:`time_variants_on_rank` for its bucket-size plot and
+:func:`timed_backward` for its timeline of one step.
+
+Chapter 7: timing the from-scratch DDP against torch's.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 HELP = "step time of the from-scratch DDP variants as ratios to torch DDP"
 
@@ -67,31 +71,17 @@ def make_model_and_batch(name: str, batch: int, rank: int):
     return model.to(device), tuple(t.to(device) for t in inputs), loss_fn
 
 
-def make_variant(name: str, model) -> tuple[object, Callable[[], None]]:
-    """Wrap ``model`` as variant ``name``: ``"torch DDP"``, ``"step 2"``, ``"step 3"``,
-    ``"DDP"`` (25 MiB, overlapped), ``"DDP no overlap"``, ``"DDP cap X"`` (X MiB, overlapped),
-    ``"DDP no overlap cap X"``. Returns ``(wrapped, synchronise)``, where ``synchronise()`` runs
-    after backward."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from dpcourse import ddp
-
-    if name == "torch DDP":
-        return DistributedDataParallel(model), lambda: None
-    if name == "step 2":
-        ddp.broadcast_parameters(model)
-        return model, lambda: ddp.all_reduce_gradients(model)
-    if name == "step 3":
-        wrapped = ddp.PerParameterDDP(model)
-        return wrapped, wrapped.finish_gradient_synchronization
-    if name.startswith("DDP"):
-        rest = name[3:].strip()
-        overlap = not rest.startswith("no overlap")
-        rest = rest.removeprefix("no overlap").strip()
-        cap = float(rest.removeprefix("cap").strip()) if rest else 25.0
-        wrapped = ddp.DDP(model, bucket_cap_mb=cap, overlap=overlap)
-        return wrapped, wrapped.finish_gradient_synchronization
-    raise ValueError(f"unknown variant {name!r}")
+def variant_options(label: str) -> tuple[str, dict]:
+    """A variant label of this benchmark as ``(variant, options)`` for :func:`dpcourse.ddp.wrap`:
+    ``"DDP cap X"`` is ``DDP`` with ``bucket_cap_mb=X``, ``"DDP no overlap"`` (optionally
+    ``"... cap X"``) with ``overlap=False``; other labels are variants of their own."""
+    if not label.startswith("DDP"):
+        return label, {}
+    rest = label[3:].strip()
+    overlap = not rest.startswith("no overlap")
+    rest = rest.removeprefix("no overlap").strip()
+    cap = float(rest.removeprefix("cap").strip()) if rest else 25.0
+    return "DDP", {"bucket_cap_mb": cap, "overlap": overlap}
 
 
 def time_variants_on_rank(
@@ -104,7 +94,7 @@ def time_variants_on_rank(
     import torch
     import torch.distributed as dist
 
-    from dpcourse import runtime
+    from dpcourse import ddp, runtime
 
     rank = dist.get_rank()
     device = runtime.device()
@@ -113,7 +103,8 @@ def time_variants_on_rank(
     runs = []
     for name in variants:
         replica = copy.deepcopy(model)
-        wrapped, synchronise = make_variant(name, replica)
+        variant, options = variant_options(name)
+        wrapped, synchronise = ddp.wrap(variant, replica, **options)
         optimizer = torch.optim.SGD(replica.parameters(), lr=1e-3)
         runs.append((name, wrapped, synchronise, optimizer))
 
@@ -130,18 +121,75 @@ def time_variants_on_rank(
             k = (i + j) % len(runs)  # rotate who goes first, so no variant always follows another
             _, wrapped, synchronise, optimizer = runs[k]
             dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            runtime.synchronize(device)
             t0 = time.perf_counter()
             step(wrapped, synchronise, optimizer)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            runtime.synchronize(device)
             slowest[k] = time.perf_counter() - t0
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if i >= warmup:
             for k, (name, *_) in enumerate(runs):
                 times[name].append(float(slowest[k]))
     return times
+
+
+@dataclass
+class BucketTiming:
+    """One bucket in one step: seconds since backward started (see :func:`timed_backward`)."""
+
+    index: int
+    nbytes: int
+    launched_s: float
+    completed_s: float
+
+
+@dataclass
+class StepTimeline:
+    """When backward ended and each bucket's all-reduce was launched and completed; chapter 7
+    plots it with :func:`dpcourse.viz_ddp.plot_timeline`."""
+
+    backward_s: float
+    finished_s: float
+    buckets: list[BucketTiming]
+
+
+def timed_backward(ddp_model, loss) -> StepTimeline:
+    """``loss.backward()`` and ``ddp_model.finish_gradient_synchronization()`` for a
+    :class:`dpcourse.ddp.DDP`, recording when each bucket's all-reduce was launched and
+    completed, relative to the start of backward.
+
+    The recorder wraps the reducer's ``_launch`` for the duration of the step (the reducer
+    itself has no timing code). Completion is when the backend reported it (a callback on the
+    all-reduce's future): exact for gloo; for NCCL it can be earlier than the GPU's work (use
+    torch.profiler there).
+    """
+    reducer = ddp_model.reducer
+    launch_untimed = reducer._launch
+    timings: list[BucketTiming] = []
+    t0 = time.perf_counter()
+
+    def launch_timed(bucket) -> None:
+        launch_untimed(bucket)
+        timing = BucketTiming(bucket.index, bucket.nbytes, time.perf_counter() - t0, -1.0)
+        timings.append(timing)
+
+        def done(fut, timing=timing):
+            timing.completed_s = time.perf_counter() - t0
+
+        bucket.work.get_future().then(done)
+
+    reducer._launch = launch_timed  # an instance attribute: this reducer, this step only
+    try:
+        loss.backward()
+        backward_s = time.perf_counter() - t0
+        ddp_model.finish_gradient_synchronization()
+        finished_s = time.perf_counter() - t0
+    finally:
+        del reducer._launch
+    deadline = time.perf_counter() + 1.0
+    while any(t.completed_s < 0 for t in timings) and time.perf_counter() < deadline:
+        time.sleep(1e-4)  # the callbacks may run a moment after wait() returns
+    return StepTimeline(backward_s, finished_s, sorted(timings, key=lambda t: t.index))
 
 
 def bench_ddp(

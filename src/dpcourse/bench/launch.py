@@ -3,6 +3,8 @@
 ``run_ranks`` started cold (start the ranks, join the group, run, tear down) against
 ``torch.multiprocessing.spawn`` doing the same, and a run on a warm
 :class:`~dpcourse.launch.RankPool`. The introduction and the launcher's docs quote it.
+
+Chapter 0: the course-wide runtime and launcher.
 """
 
 from __future__ import annotations

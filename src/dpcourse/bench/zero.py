@@ -15,6 +15,11 @@ medians, the ratio to ``ZeroRedundancyOptimizer`` and to ``DDP, unsharded``, and
 bytes per rank (measured: the tensors in the optimizer's state) as a fraction of the unsharded
 state. The default model is an MLP of 4 layers of width 1024 whose last layer has 1001 outputs,
 so that the parameter count (4,174,825) divides by neither 2 nor 4.
+
+:func:`train_variants_on_rank` trains the variants side by side for chapter 9's comparisons of
+losses, parameters and optimizer-state bytes.
+
+Chapter 9: ShardedOptimizer measured against torch's ZeRO and plain DDP.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 LR = 1e-4
 HELP = "ShardedOptimizer step time vs ZeroRedundancyOptimizer and unsharded DDP; state bytes/rank"
@@ -50,10 +56,96 @@ def make_mlp(width: int = 1024, out_features: int = 1001):
     )  # fmt: skip
 
 
+VARIANTS = ("DDP, unsharded", "ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2")
+
+
+def make_variant(name: str, model, optimizer_cls, **kwargs) -> tuple:
+    """One way to train ``model`` on every rank of a process group, by ``name``:
+
+    * ``"DDP, unsharded"``: torch's ``DistributedDataParallel`` and an unsharded
+      ``optimizer_cls`` (plain data parallelism);
+    * ``"ZeroRedundancyOptimizer"``: torch's DDP and ``ZeroRedundancyOptimizer(optimizer_cls)``;
+    * ``"ShardedOptimizer"`` / ``"ShardedOptimizer s2"``: :class:`dpcourse.zero.ShardedOptimizer`,
+      stage 1 / 2.
+
+    torch's DDP comes from :func:`dpcourse.ddp.wrap`, the one place variants of DDP are made.
+
+    Returns ``(module to call, optimizer, the optimizer that holds this rank's state)``.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from dpcourse import ddp
+    from dpcourse.zero import ShardedOptimizer
+
+    if name == "DDP, unsharded":
+        opt = optimizer_cls(model.parameters(), **kwargs)
+        return ddp.wrap("torch DDP", model)[0], opt, opt
+    if name == "ZeroRedundancyOptimizer":
+        zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_cls, **kwargs)
+        return ddp.wrap("torch DDP", model)[0], zro, zro.optim
+    if name in ("ShardedOptimizer", "ShardedOptimizer s2"):
+        stage = 2 if name.endswith("s2") else 1
+        opt = ShardedOptimizer(model.parameters(), optimizer_cls, stage=stage, **kwargs)
+        return model, opt, opt
+    raise ValueError(f"unknown variant {name!r}; the variants are {VARIANTS}")
+
+
+def train_variants_on_rank(
+    make_model: Callable,
+    make_batch: Callable[[int, int], tuple],
+    loss_fn: Callable,
+    steps: int,
+    optimizer_cls: type,
+    variants: tuple[str, ...] = VARIANTS,
+    return_params: bool = True,
+    **optimizer_kwargs,
+) -> dict[str, dict]:
+    """Runs on every rank: train a fresh ``make_model()`` for ``steps`` steps in each way of
+    :func:`make_variant`, on batches ``make_batch(step, rank)`` = ``(inputs..., target)``.
+
+    Returns, per variant: ``losses`` (mean over ranks, per step), ``params`` (the final
+    parameters, flattened, on the CPU), ``state_bytes`` (this rank's optimizer state) and
+    ``grad_bytes`` (gradient memory this rank holds after the last step: the model's ``.grad``
+    tensors plus ShardedOptimizer's own flat gradient buffer or gradient shard). With
+    ``return_params=False``, ``params`` is ``None`` (large models travel back faster). Chapter 9.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from dpcourse.memory_measurement import optimizer_state_bytes
+    from dpcourse.zero import ShardedOptimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for name in variants:
+        model = make_model()
+        module, opt, holder = make_variant(name, model, optimizer_cls, **optimizer_kwargs)
+        losses = []
+        for step in range(steps):
+            *inputs, target = make_batch(step, rank)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(module(*inputs), target)
+            loss.backward()
+            opt.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+        if isinstance(opt, ShardedOptimizer):
+            grad_bytes += opt.gradient_bytes()
+        out[name] = {
+            "losses": losses,
+            "params": torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+            if return_params
+            else None,
+            "state_bytes": optimizer_state_bytes(holder),
+            "grad_bytes": grad_bytes,
+        }
+    return out
+
+
 def _make(name: str, model):
     import torch
-
-    from dpcourse.zero import make_variant
 
     return make_variant(name, model, torch.optim.Adam, lr=LR)
 
@@ -70,7 +162,7 @@ def time_on_rank(
     from torch import nn
 
     from dpcourse import runtime
-    from dpcourse.zero import optimizer_state_bytes
+    from dpcourse.memory_measurement import optimizer_state_bytes
 
     rank, device = dist.get_rank(), runtime.device()
     base = make_mlp(width, out).to(device)
@@ -83,14 +175,12 @@ def time_on_rank(
     for i in range(warmup + repeats):
         for k, (_, module, opt, _) in enumerate(runs):
             dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            runtime.synchronize(device)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(module(x), y).backward()
             opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            runtime.synchronize(device)
             slowest[k] = time.perf_counter() - t0
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if i + 1 == max(warmup, 1):
@@ -120,7 +210,6 @@ def bench_zero(
     world_sizes: list[int], repeats: int, warmup: int, batch: int, width: int, out: int
 ) -> dict:
     from dpcourse.launch import run_ranks
-    from dpcourse.zero import VARIANTS
 
     num_params = 3 * (width * width + width) + width * out + out
     rows = []

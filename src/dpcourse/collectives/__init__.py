@@ -1,4 +1,4 @@
-"""Collectives built from point-to-point messages (chapters 5 and 6).
+"""Collectives built from point-to-point messages.
 
 Each has the semantics of its ``torch.distributed`` counterpart (in place where that one is) and
 is tested against it on every world size from 1 to 8 and lengths that do not divide evenly:
@@ -16,7 +16,11 @@ ours                       torch.distributed                    module
 ``ring_all_reduce``        ``dist.all_reduce``                  :mod:`.ring`
 =========================  ===================================  =========================
 
-Their traffic goes through :mod:`.p2p`, which counts it (:func:`count_traffic`).
+``ring_all_reduce`` runs as :func:`ring_all_reduce_posted_ahead` (receives posted before the
+first send) wherever the backend allows. Their traffic goes through :mod:`.p2p`, which counts it
+(:func:`count_traffic`). None of them calls a library collective, not even to check shapes.
+
+Chapter 6: the collectives of chapters 5 and 6 in one namespace (the package re-exports both).
 """
 
 from dpcourse.collectives.naive import linear_broadcast, naive_all_reduce
@@ -24,6 +28,7 @@ from dpcourse.collectives.p2p import Traffic, count_traffic
 from dpcourse.collectives.ring import (
     ring_all_gather,
     ring_all_reduce,
+    ring_all_reduce_posted_ahead,
     ring_reduce_scatter,
     ring_schedule,
 )
@@ -43,6 +48,7 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_all_gather",
     "ring_all_reduce",
+    "ring_all_reduce_posted_ahead",
     "ring_schedule",
     "count_traffic",
     "Traffic",

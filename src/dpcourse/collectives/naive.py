@@ -1,10 +1,12 @@
-"""The obvious collectives, one message at a time (chapter 5): the baselines.
+"""The obvious collectives, one message at a time: the baselines.
 
 * :func:`linear_broadcast`: the root sends the whole tensor to each other rank in turn, N-1
   transfers in a row (the "send the file to 7 friends yourself" way);
 * :func:`naive_all_reduce`: every rank sends its tensor to rank 0, which adds them up and sends
   the result back to each: rank 0 moves 2(N-1) times the data, the others 2 times, and the
   time grows with N.
+
+Chapter 5: the obvious collectives, the baselines.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""What every collective of the course shares: the reduction ops, input checks, chunking."""
+"""What every collective of the course shares: the reduction ops, input checks, chunking.
+
+Chapter 5: what every collective shares (ops, input checks, chunks).
+"""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from dpcourse.collectives.p2p import rank_and_size
+from dpcourse.collectives.p2p import exchange, not_counted, rank_and_size
 
-__all__ = ["OPS", "combine_", "finish_", "check_input", "chunk_bounds"]
+__all__ = ["OPS", "combine_", "finish_", "check_input", "check_same_shapes", "chunk_bounds"]
 
 OPS = ("sum", "mean", "max", "min")
 
@@ -31,9 +33,9 @@ def finish_(tensor: torch.Tensor, op: str, world_size: int) -> None:
 def check_input(tensor: torch.Tensor, op: str | None, check_shapes: bool) -> tuple[int, int]:
     """Validate a collective's input; return (rank, world size).
 
-    With ``check_shapes`` the ranks compare the number of elements and the dtype of their
-    tensors first (one tiny all-reduce), so that mismatched inputs give a clear error instead
-    of a hang or garbage.
+    With ``check_shapes`` the ranks also compare their tensors (:func:`check_same_shapes`), so
+    that mismatched inputs give a clear error instead of a hang or garbage; without it nothing
+    is sent.
     """
     rank, world = rank_and_size()
     if not isinstance(tensor, torch.Tensor):
@@ -51,25 +53,49 @@ def check_input(tensor: torch.Tensor, op: str | None, check_shapes: bool) -> tup
             "t.contiguous() and copy the result back (t.copy_(result))"
         )
     if check_shapes and world > 1:
-        # str hashes differ between processes (PYTHONHASHSEED), so encode the dtype by its name.
-        code = float(sum(ord(c) * 31**i for i, c in enumerate(str(tensor.dtype))) % 1_000_003)
-        device = tensor.device if dist.get_backend() == "nccl" else "cpu"
-        mine = torch.tensor(
-            [tensor.numel(), -tensor.numel(), code, -code], dtype=torch.float64, device=device
-        )
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        if mine[0] != -mine[1]:
-            raise ValueError(
-                f"rank {rank} has a tensor of {tensor.numel()} elements but another rank's has "
-                f"{int(mine[0]) if mine[0] != tensor.numel() else int(-mine[1])}: every rank must "
-                "pass a tensor of the same size"
-            )
-        if mine[2] != -mine[3]:
-            raise ValueError(
-                f"rank {rank} has a {tensor.dtype} tensor but the ranks' dtypes differ: every "
-                "rank must pass the same dtype"
-            )
+        check_same_shapes(tensor, rank, world)
     return rank, world
+
+
+# Every dtype torch knows, in a fixed order: a dtype travels as its index (str hashes differ
+# between processes). The ranks run the same torch, so the order is the same on each.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_MAX_DIMS = 8  # dimensions sent; a shape with more is shown cut short
+
+
+def _describe(numel: int, dtype: torch.dtype, shape: tuple) -> str:
+    return f"a {dtype} tensor of shape {shape} ({numel} elements)"
+
+
+def check_same_shapes(tensor: torch.Tensor, rank: int, world: int) -> None:
+    """Raise a ValueError unless every rank's ``tensor`` has as many elements and the same
+    dtype as this one. No library collective: each rank sends its numel, dtype and shape to
+    its right neighbour and compares them with what comes from its left (one small message
+    each way, left out of :func:`~dpcourse.collectives.p2p.count_traffic`). If every rank
+    agrees with its left neighbour, then all agree, by going round the ring. The ranks next to
+    a mismatch raise; the others go on into the collective, which stalls without them (the
+    launcher then stops every rank, naming the first error)."""
+    dims = list(tensor.shape)[:_MAX_DIMS]
+    code = _DTYPES.index(tensor.dtype)
+    mine = torch.tensor(
+        [tensor.numel(), code, tensor.dim(), *dims, *[0] * (_MAX_DIMS - len(dims))],
+        dtype=torch.int64,
+        device=tensor.device,
+    )
+    left = torch.empty_like(mine)
+    with not_counted():
+        exchange(mine, (rank + 1) % world, left, (rank - 1) % world)
+    if torch.equal(mine[:2], left[:2]):
+        return
+    numel, code, ndim, *shape = left.tolist()
+    shape = tuple(shape[: min(ndim, _MAX_DIMS)]) + (("...",) if ndim > _MAX_DIMS else ())
+    theirs = _describe(numel, _DTYPES[code], shape)
+    ours = _describe(tensor.numel(), tensor.dtype, tuple(tensor.shape))
+    what = "the same size" if numel != tensor.numel() else "the same dtype"
+    raise ValueError(
+        f"rank {rank} has {ours} but its left neighbour, rank {(rank - 1) % world}, has "
+        f"{theirs}: every rank must pass a tensor of {what}"
+    )
 
 
 def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:

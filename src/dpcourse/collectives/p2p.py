@@ -13,6 +13,8 @@ Chapters 5 and 6 build broadcast, reduce and all-reduce out of nothing but ``sen
 * can be pointed at a **simulated network** instead of torch.distributed
   (:mod:`dpcourse.simulate`), so that the same collective code runs on thousands of virtual
   ranks with links of a chosen latency and bandwidth.
+
+Chapter 5: point-to-point messages, the layer every collective is built on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch.distributed as dist
 __all__ = [
     "Traffic",
     "count_traffic",
+    "not_counted",
     "send",
     "recv",
     "isend",
@@ -72,6 +75,19 @@ def count_traffic() -> Iterator[Traffic]:
         yield traffic
     finally:
         _counting.active.remove(traffic)
+
+
+@contextlib.contextmanager
+def not_counted() -> Iterator[None]:
+    """Leave this rank's messages inside the ``with`` block out of :func:`count_traffic`: the
+    collectives' shape check (:func:`~dpcourse.collectives.ops.check_input`) is not part of
+    the algorithm whose traffic the chapters count."""
+    active = getattr(_counting, "active", None)
+    _counting.active = []
+    try:
+        yield
+    finally:
+        _counting.active = active if active is not None else []
 
 
 def _record(kind: str, peer: int, tensor: torch.Tensor) -> None:

@@ -1,16 +1,24 @@
-"""Ring all-reduce from point-to-point messages (chapter 6).
+"""Ring all-reduce from point-to-point messages.
 
 The N ranks stand in a ring; rank r sends only to r+1 and receives only from r-1. The tensor is
 cut into N chunks (:func:`~dpcourse.collectives.ops.chunk_bounds`, any length, even shorter
 than N). Two phases of N-1 steps each:
 
-1. **reduce-scatter**: at step s, rank r sends chunk (r-s-1) mod N and adds the chunk
-   (r-s-2) mod N it receives to its own. After N-1 steps rank r holds chunk r fully reduced.
-2. **all-gather**: at step s, rank r sends chunk (r-s) mod N, complete, and stores the chunk
-   (r-s-1) mod N it receives. After N-1 steps every rank holds every reduced chunk.
+1. **reduce-scatter** (:func:`reduce_scatter_`): at step s, rank r sends chunk (r-s-1) mod N and
+   adds the chunk (r-s-2) mod N it receives to its own. After N-1 steps rank r holds chunk r
+   fully reduced.
+2. **all-gather** (:func:`all_gather_`): at step s, rank r sends chunk (r-s) mod N, complete,
+   and stores the chunk (r-s-1) mod N it receives. After N-1 steps every rank holds every
+   reduced chunk.
 
 Each rank sends (N-1)/N of the data in each phase, 2(N-1)/N in all: for large N about twice the
 data, however many ranks there are. That is why the ring is bandwidth-optimal.
+
+:func:`ring_all_reduce` is those two phases, one step at a time, as drawn. The same ring with
+every receive posted before the first send is :func:`ring_all_reduce_posted_ahead`, the default
+wherever the backend allows it (see its docstring).
+
+Chapter 6: ring all-reduce from point-to-point messages.
 """
 
 from __future__ import annotations
@@ -22,7 +30,19 @@ import torch
 from dpcourse.collectives.ops import check_input, combine_, finish_
 from dpcourse.collectives.p2p import Waitable, exchange, irecv, isend, posts_ahead
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_schedule"]
+__all__ = [
+    "ring_schedule",
+    "reduce_scatter_",
+    "all_gather_",
+    "ring_all_reduce",
+    "reduce_scatter_posted_ahead_",
+    "all_gather_posted_ahead_",
+    "ring_all_reduce_posted_ahead",
+    "ring_reduce_scatter_",
+    "ring_all_gather_",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+]
 
 
 def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, int]:
@@ -55,14 +75,77 @@ def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-# Two ways to run each phase. Step by step (`exchange` per step: post a receive, send, wait for
-# both) is the ring as drawn, and what NCCL needs. With receives posted ahead, every receive of
-# a phase is waiting before the first send, so a neighbour's data is taken in the moment it is
-# sent instead of after a round trip that asks for it, and each chunk is sent on the moment it
-# is ready. That is what "post receives before sends" buys; benchmarks/README.md has what it
-# measured on the course's 2-core machine. The phases take the chunks as a list of views,
-# ``flat.tensor_split(N)``, cut once per call: at 1 MiB the Python around the messages is a
-# good part of the time.
+# ------------------------------------------------------------------- the ring, step by step
+# The phases take the chunks as a list of views, ``flat.tensor_split(N)``, cut once per call:
+# at 1 MiB the Python around the messages is a good part of the time.
+
+
+def reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int) -> None:
+    """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``), one step at
+    a time: afterwards ``chunks[rank]`` is reduced over all ranks (not yet averaged)."""
+    world = len(chunks)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    incoming = _receive_buffer(chunks[0].numel(), chunks[0])  # chunk 0 is the largest
+    for step in range(world - 1):
+        sent, received = ring_schedule("reduce-scatter", rank, step, world)
+        buf = incoming[: chunks[received].numel()]
+        exchange(chunks[sent], right, buf, left)  # send right while receiving from the left
+        combine_(chunks[received], buf, op)
+
+
+def all_gather_(chunks: list[torch.Tensor], rank: int) -> None:
+    """Phase 2 in place, one step at a time: rank r starts with ``chunks[r]`` complete and ends
+    with all of them."""
+    world = len(chunks)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for step in range(world - 1):
+        sent, received = ring_schedule("all-gather", rank, step, world)
+        exchange(chunks[sent], right, chunks[received], left)  # straight into its chunk
+
+
+def ring_all_reduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    check_shapes: bool = True,
+    post_ahead: bool | None = None,
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place with a ring (like ``dist.all_reduce``); returns it.
+
+    Works for any length and world size, for every dtype the backend can send, on CPU and CUDA.
+    ``check_shapes`` first verifies that all ranks passed the same size and dtype (one small
+    message to the right neighbour; benchmarks turn it off). ``post_ahead``: run
+    :func:`ring_all_reduce_posted_ahead` (True) or the ring step by step, as below (False); by
+    default, ahead wherever the backend allows it, which is everywhere but NCCL
+    (:func:`~dpcourse.collectives.p2p.posts_ahead`).
+    """
+    rank, world = check_input(tensor, op, check_shapes)
+    if _resolve_post_ahead(post_ahead):
+        return ring_all_reduce_posted_ahead(tensor, op, check_shapes=False)  # checked above
+    chunks = tensor.view(-1).tensor_split(world)  # views: the ring works in place
+    reduce_scatter_(chunks, op, rank)
+    finish_(chunks[rank], op, world)  # each rank averages only the chunk it owns
+    all_gather_(chunks, rank)
+    return tensor
+
+
+def _resolve_post_ahead(post_ahead: bool | None) -> bool:
+    if post_ahead is None:
+        return posts_ahead()
+    if post_ahead and not posts_ahead():
+        raise ValueError(
+            "post_ahead=True cannot run on NCCL: a receive posted long before its data would "
+            "block the CUDA stream that the sends behind it wait on. Leave post_ahead=None."
+        )
+    return post_ahead
+
+
+# ------------------------------------------------------------- the ring, receives posted ahead
+# Step by step (`exchange` per step: post a receive, send, wait for both) is the ring as drawn,
+# and what NCCL needs. With receives posted ahead, every receive of a phase is waiting before
+# the first send, so a neighbour's data is taken in the moment it is sent instead of after a
+# round trip that asks for it, and each chunk is sent on the moment it is ready. That is what
+# "post receives before sends" buys; benchmarks/README.md has what it measured on the course's
+# 2-core machine. Same messages, same additions in the same order: the same result, bit for bit.
 
 
 def _post_reduce_scatter(chunks: list[torch.Tensor], rank: int) -> list[tuple]:
@@ -88,32 +171,25 @@ def _post_all_gather(chunks: list[torch.Tensor], rank: int) -> list[Waitable]:
     ]
 
 
-def _reduce_scatter_(
+def _wait_all(handles: list[Waitable]) -> None:
+    for handle in handles:
+        handle.wait()
+
+
+def reduce_scatter_posted_ahead_(
     chunks: list[torch.Tensor],
     op: str,
     rank: int,
     posted: list[tuple] | None = None,
     sends: list[Waitable] | None = None,
-    ahead: bool | None = None,
 ) -> None:
-    """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``): afterwards
-    ``chunks[rank]`` is reduced (not averaged). ``ahead``: post the receives ahead (default:
-    where the backend allows, :func:`~dpcourse.collectives.p2p.posts_ahead`) or go step by
-    step. ``posted``: this phase's receives, if the caller posted them already; ``sends``: a
-    list to leave the sends in, for the caller to wait for (otherwise they are waited for
-    here)."""
+    """:func:`reduce_scatter_` with every receive posted before the first send. ``posted``:
+    this phase's receives, if the caller posted them already; ``sends``: a list to leave the
+    sends in, for the caller to wait for (otherwise they are waited for here). Not on NCCL."""
     world = len(chunks)
     if world == 1:
         return
-    right, left = (rank + 1) % world, (rank - 1) % world
-    if not (posts_ahead() if ahead is None else ahead):  # step by step
-        incoming = _receive_buffer(chunks[0].numel(), chunks[0])
-        for step in range(world - 1):
-            sent, received = ring_schedule("reduce-scatter", rank, step, world)
-            buf = incoming[: chunks[received].numel()]
-            exchange(chunks[sent], right, buf, left)
-            combine_(chunks[received], buf, op)
-        return
+    right = (rank + 1) % world
     posted = posted if posted is not None else _post_reduce_scatter(chunks, rank)
     mine = [] if sends is None else sends
     mine.append(isend(chunks[ring_schedule("reduce-scatter", rank, 0, world)[0]], right))
@@ -124,28 +200,21 @@ def _reduce_scatter_(
         if step < world - 2:  # the chunk just added to is the one to send at the next step
             mine.append(isend(chunks[received], right))
     if sends is None:
-        for send in mine:
-            send.wait()
+        _wait_all(mine)
 
 
-def _all_gather_(
+def all_gather_posted_ahead_(
     chunks: list[torch.Tensor],
     rank: int,
     posted: list[Waitable] | None = None,
     sends: list[Waitable] | None = None,
-    ahead: bool | None = None,
 ) -> None:
-    """Phase 2 in place: rank r starts with ``chunks[r]`` complete and ends with all of them.
-    ``posted``, ``sends`` and ``ahead`` as for :func:`_reduce_scatter_`."""
+    """:func:`all_gather_` with every receive posted before the first send; ``posted`` and
+    ``sends`` as for :func:`reduce_scatter_posted_ahead_`. Not on NCCL."""
     world = len(chunks)
     if world == 1:
         return
-    right, left = (rank + 1) % world, (rank - 1) % world
-    if not (posts_ahead() if ahead is None else ahead):  # step by step
-        for step in range(world - 1):
-            sent, received = ring_schedule("all-gather", rank, step, world)
-            exchange(chunks[sent], right, chunks[received], left)
-        return
+    right = (rank + 1) % world
     posted = posted if posted is not None else _post_all_gather(chunks, rank)
     mine = [] if sends is None else sends
     mine.append(isend(chunks[rank], right))
@@ -154,8 +223,46 @@ def _all_gather_(
         if step < world - 2:  # pass the chunk just received on to the right
             mine.append(isend(chunks[ring_schedule("all-gather", rank, step, world)[1]], right))
     if sends is None:
-        for send in mine:
-            send.wait()
+        _wait_all(mine)
+
+
+def ring_all_reduce_posted_ahead(
+    tensor: torch.Tensor, op: str = "sum", check_shapes: bool = True
+) -> torch.Tensor:
+    """:func:`ring_all_reduce` with the receives of both phases posted before the first send.
+
+    A posted receive waits in the background while this rank goes on sending and adding: the
+    data a neighbour sends is taken in at once, and each reduced chunk is sent on the moment it
+    is ready. Only where the backend allows it (gloo, MPI, the simulator; not NCCL, where a
+    receive posted early would block the CUDA stream; a ValueError there).
+    """
+    rank, world = check_input(tensor, op, check_shapes)
+    _resolve_post_ahead(True)
+    if world == 1:
+        return tensor
+    chunks = tensor.view(-1).tensor_split(world)
+    # Every receive of both phases, in the order the left neighbour sends: phase 1's first.
+    scatter = _post_reduce_scatter(chunks, rank)
+    gather = _post_all_gather(chunks, rank)
+    sends: list[Waitable] = []
+    reduce_scatter_posted_ahead_(chunks, op, rank, scatter, sends)
+    finish_(chunks[rank], op, world)
+    all_gather_posted_ahead_(chunks, rank, gather, sends)
+    _wait_all(sends)
+    return tensor
+
+
+# ------------------------------------------------------------- the phases as collectives
+def ring_reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int) -> None:
+    """Phase 1 in place on the chunks, the fastest way this backend allows: receives posted
+    ahead where :func:`~dpcourse.collectives.p2p.posts_ahead`, else step by step. Chapter 9's
+    ``ShardedOptimizer`` reduce-scatters its gradients with it."""
+    (reduce_scatter_posted_ahead_ if posts_ahead() else reduce_scatter_)(chunks, op, rank)
+
+
+def ring_all_gather_(chunks: list[torch.Tensor], rank: int) -> None:
+    """Phase 2 in place on the chunks, as :func:`ring_reduce_scatter_` chooses."""
+    (all_gather_posted_ahead_ if posts_ahead() else all_gather_)(chunks, rank)
 
 
 def ring_reduce_scatter(
@@ -170,7 +277,7 @@ def ring_reduce_scatter(
     """
     rank, world = check_input(tensor, op, check_shapes)
     chunks = tensor.detach().flatten().clone().tensor_split(world)
-    _reduce_scatter_(chunks, op, rank)
+    ring_reduce_scatter_(chunks, op, rank)
     out = chunks[rank].clone()
     finish_(out, op, world)
     return out
@@ -182,44 +289,5 @@ def ring_all_gather(tensor: torch.Tensor, check_shapes: bool = True) -> list[tor
     n = tensor.numel()
     flat = torch.empty(n * world, dtype=tensor.dtype, device=tensor.device)
     flat[rank * n : (rank + 1) * n] = tensor.detach().flatten()
-    _all_gather_(flat.tensor_split(world), rank)
+    ring_all_gather_(flat.tensor_split(world), rank)
     return [flat[i * n : (i + 1) * n].view(tensor.shape).clone() for i in range(world)]
-
-
-def ring_all_reduce(
-    tensor: torch.Tensor,
-    op: str = "sum",
-    check_shapes: bool = True,
-    post_ahead: bool | None = None,
-) -> torch.Tensor:
-    """All-reduce ``tensor`` in place with a ring (like ``dist.all_reduce``); returns it.
-
-    Works for any length and world size, for every dtype the backend can send, on CPU and CUDA.
-    ``check_shapes`` first verifies that all ranks passed the same size and dtype (one tiny
-    all-reduce; benchmarks turn it off). ``post_ahead``: post every receive before the first
-    send (True) or go step by step (False); by default, ahead wherever the backend allows it,
-    which is everywhere but NCCL (:func:`~dpcourse.collectives.p2p.posts_ahead`).
-    """
-    rank, world = check_input(tensor, op, check_shapes)
-    if post_ahead is None:
-        post_ahead = posts_ahead()
-    elif post_ahead and not posts_ahead():
-        raise ValueError(
-            "post_ahead=True cannot run on NCCL: a receive posted long before its data would "
-            "block the CUDA stream that the sends behind it wait on. Leave post_ahead=None."
-        )
-    if world == 1:
-        return tensor
-    chunks = tensor.view(-1).tensor_split(world)  # views: the ring works in place
-    scatter = gather = None
-    if post_ahead:
-        # Every receive of both phases, in the order the left neighbour sends: phase 1's first.
-        scatter = _post_reduce_scatter(chunks, rank)
-        gather = _post_all_gather(chunks, rank)
-    sends: list[Waitable] = []
-    _reduce_scatter_(chunks, op, rank, scatter, sends, post_ahead)
-    finish_(chunks[rank], op, world)  # each rank averages only the chunk it owns
-    _all_gather_(chunks, rank, gather, sends, post_ahead)
-    for send in sends:
-        send.wait()
-    return tensor

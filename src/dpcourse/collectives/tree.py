@@ -1,10 +1,12 @@
-"""Binomial-tree broadcast and reduce from point-to-point messages (chapter 5).
+"""Binomial-tree broadcast and reduce from point-to-point messages.
 
 Sending a file to 7 friends one after another takes 7 transfers in a row. If everyone who
 already has it passes it on, the number of holders doubles every round: 1, 2, 4, 8, so 3 rounds
 (log2 N) instead of 7 (N - 1). Ranks are numbered relative to the root, ``v = (rank - root) mod
 N``; in round k the ranks with ``v < 2**k`` send to ``v + 2**k``. Reduce runs the same tree
 backwards, adding on the way up. All-reduce is a reduce to rank 0 followed by a broadcast.
+
+Chapter 5: binomial-tree broadcast and reduce.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ How an exercise is written in a chapter notebook (chapter 1 is the model to copy
 
 Commands (``python -m dpcourse.exercises --help``): ``student`` writes the student edition of
 the book's sources, ``grade`` executes submitted notebooks and writes a score table (CSV).
+
+Chapter 0: the exercise checks of the whole course.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Instructor commands: ``python -m dpcourse.exercises {student,grade,list}``."""
+"""Instructor commands: ``python -m dpcourse.exercises {student,edition,grade,list}``.
+
+Chapter 0: the course's tooling (appendix A, the instructor guide, explains it).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from dpcourse.exercises import grading, registry
-from dpcourse.exercises.student import make_student_edition
+from dpcourse.exercises.student import make_executed_edition, make_student_edition
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +21,19 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("student", help="write the student edition of the book's sources")
     p.add_argument("--root", default=".", help="the book (folder with _config.yml)")
     p.add_argument("--out", default="_build/student", help="where to write it")
+    p.add_argument(
+        "--executed",
+        default=None,
+        help="take the notebooks with their outputs from this folder (`make notebooks` fills "
+        "it), so that the edition renders them without running them again",
+    )
+
+    p = sub.add_parser(
+        "edition", help="write the full edition's sources with the executed notebooks"
+    )
+    p.add_argument("--root", default=".", help="the book (folder with _config.yml)")
+    p.add_argument("--executed", default="_build/executed", help="the executed notebooks")
+    p.add_argument("--out", default="_build/full", help="where to write it")
 
     p = sub.add_parser("grade", help="execute submitted notebooks and write a score table")
     p.add_argument("submissions", nargs="+", help="notebooks, or folders of them")
@@ -38,9 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="list the exercises that have checks")
     args = parser.parse_args(argv)
 
-    if args.command == "student":
-        notebooks = make_student_edition(Path(args.root), Path(args.out))
-        print(f"student edition written to {args.out} ({len(notebooks)} notebooks)")
+    if args.command in ("student", "edition"):
+        executed = Path(args.executed) if args.executed else None
+        try:
+            if args.command == "student":
+                notebooks = make_student_edition(Path(args.root), Path(args.out), executed)
+            else:
+                notebooks = make_executed_edition(Path(args.root), Path(args.out), executed)
+        except FileNotFoundError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        what = "student edition" if args.command == "student" else "full edition"
+        print(f"{what} written to {args.out} ({len(notebooks)} notebooks)")
         for nb in notebooks:
             print(f"  {nb}")
     elif args.command == "grade":

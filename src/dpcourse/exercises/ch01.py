@@ -1,4 +1,7 @@
-"""Checks for chapter 1's exercises (training on one device)."""
+"""Checks for chapter 1's exercises (training on one device).
+
+Chapter 1: training on one device.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dpcourse import memory, models
+from dpcourse import memory, memory_measurement, models
 from dpcourse.exercises.core import Mismatch, call_learner, exercise
 
 PARTS = ("parameters", "gradients", "optimizer_state", "activations")
@@ -24,7 +27,7 @@ def batch_growth(answer: Callable[[], dict]) -> str:
     model = models.MLP()
     # Fresh tensors for each batch: a slice would count the memory of the whole tensor.
     small, large = (
-        memory.measure_training_memory(
+        memory_measurement.measure_training_memory(
             model,
             (torch.randn(b, 5), torch.randn(b, 2)),
             nn.MSELoss(),

@@ -1,4 +1,7 @@
-"""Checks for chapter 2's exercises (the idea of data parallelism, ``nn.DataParallel``)."""
+"""Checks for chapter 2's exercises (the idea of data parallelism, ``nn.DataParallel``).
+
+Chapter 2: the idea of data parallelism, ``nn.DataParallel``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Checks for chapter 3's exercises (manual replication)."""
+"""Checks for chapter 3's exercises (manual replication).
+
+Chapter 3: manual replication.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Checks for chapter 4's exercises (naive gradient averaging, parameter averaging)."""
+"""Checks for chapter 4's exercises (naive gradient averaging, parameter averaging).
+
+Chapter 4: naive gradient averaging.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dpcourse import averaging, data, models, replication
+from dpcourse import averaging, data, models, parameter_averaging, replication
 from dpcourse.exercises.core import Mismatch, call_learner, exercise, expect_close
 
 
@@ -78,7 +81,7 @@ def average_parameters(fn: Callable) -> str:
                     p.grad = torch.randn_like(p)
         want = [{k: v.detach().clone() for k, v in r.named_parameters()} for r in replicas]
         reference = [copy.deepcopy(r) for r in replicas]
-        averaging.average_parameters(reference)  # the package's version
+        parameter_averaging.average_parameters(reference)  # the package's version
         mean = {k: v.detach() for k, v in reference[0].named_parameters()}
         total = {k: sum(w[k] for w in want) for k in want[0]}
         call_learner(fn, replicas)

@@ -1,4 +1,7 @@
-"""Checks for chapter 5's exercises (collective communication)."""
+"""Checks for chapter 5's exercises (collective communication).
+
+Chapter 5: checks for the collectives exercises.
+"""
 
 from __future__ import annotations
 

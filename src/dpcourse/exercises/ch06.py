@@ -1,4 +1,7 @@
-"""Checks for chapter 6's exercises (ring all-reduce)."""
+"""Checks for chapter 6's exercises (ring all-reduce).
+
+Chapter 6: checks for the ring all-reduce exercises.
+"""
 
 from __future__ import annotations
 

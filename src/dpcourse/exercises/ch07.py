@@ -1,4 +1,7 @@
-"""Checks for chapter 7's exercises (DistributedDataParallel from scratch)."""
+"""Checks for chapter 7's exercises (DistributedDataParallel from scratch).
+
+Chapter 7: exercise checks for DistributedDataParallel.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ RANK_TIMEOUT = 30.0  # seconds for one world size; a deadlock ends here
 
 # ------------------------------------------------------------------------------ buckets
 def _forward_order(sizes: list[int], cap: float) -> list[list[int]]:
-    from dpcourse.ddp import bucket_assignment
+    from dpcourse.buckets import bucket_assignment
 
     n = len(sizes)
     return [[n - 1 - i for i in b] for b in bucket_assignment(sizes[::-1], cap)]
@@ -47,9 +50,9 @@ BUCKET_CASES = [
 @exercise("ex-7-buckets", function="my_bucket_assignment", timeout=20)
 def bucket_assignment(fn: Callable) -> str:
     """``fn(param_bytes, cap_bytes)`` groups parameter indices into buckets like
-    :func:`dpcourse.ddp.bucket_assignment`: reverse order, at most ``cap_bytes`` per bucket,
+    :func:`dpcourse.buckets.bucket_assignment`: reverse order, at most ``cap_bytes`` per bucket,
     a parameter larger than the cap alone."""
-    from dpcourse.ddp import bucket_assignment as reference
+    from dpcourse.buckets import bucket_assignment as reference
 
     for sizes, cap in BUCKET_CASES:
         want = reference(sizes, cap)

@@ -1,5 +1,8 @@
 """Checks for chapter 8's exercises (learning-rate warm-up, atomic saves, the order of a mixed
-precision data-parallel step, SyncBatchNorm statistics)."""
+precision data-parallel step, SyncBatchNorm statistics).
+
+Chapter 8: exercise checks for training at scale.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dpcourse import lr_schedule, mixed_precision
+from dpcourse import ddp, lr_schedule
 from dpcourse.exercises.core import Mismatch, call_learner, exercise, run_learner_on_ranks
 
 RANK_TIMEOUT = 60.0
@@ -154,7 +157,7 @@ def _variant_step(model, x, y, optimizer, scaler, order):
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     actions = {
-        "reduce": lambda: mixed_precision.average_gradients(model),
+        "reduce": lambda: ddp.all_reduce_gradients(model),
         "unscale": lambda: scaler.unscale_(optimizer),
         "clip": lambda: nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
     }

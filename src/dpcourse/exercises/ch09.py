@@ -1,4 +1,7 @@
-"""Checks for chapter 9's exercises (sharded optimizers, ZeRO)."""
+"""Checks for chapter 9's exercises (sharded optimizers, ZeRO).
+
+Chapter 9: exercise checks for sharded optimizers.
+"""
 
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ def owner_of(fn: Callable) -> str:
 def zero_memory(fn: Callable) -> str:
     """``fn(num_params, world_size, stage, k=12)``: bytes per rank of the model states under
     ZeRO, mixed-precision Adam (the paper's formulas); up to one byte of rounding allowed."""
-    from dpcourse.memory import zero_memory_per_rank
+    from dpcourse.zero_memory import zero_memory_per_rank
 
     cases = [(7_500_000_000, n) for n in (1, 4, 16, 64, 1024)] + [(1000, 4), (999, 3)]
     for psi, n in cases:

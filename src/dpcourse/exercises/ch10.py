@@ -1,11 +1,14 @@
-"""Checks for chapter 10's exercises (when data parallelism scales)."""
+"""Checks for chapter 10's exercises (when data parallelism scales).
+
+Chapter 10: checks for the scaling exercises.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
-from dpcourse import scaling
+from dpcourse import costmodel, scaling
 from dpcourse.exercises.core import Mismatch, call_learner, exercise
 
 # (world_size, compute_s, grad_bytes, alpha, beta, overlap): a 1.3B model in bf16 on H100s over
@@ -28,7 +31,7 @@ def _close(got, want: float, rel: float = 1e-6) -> bool:
 
 
 def _step_time_hint(got, n, compute, nbytes, alpha, beta, overlap) -> str:
-    ring = scaling.all_reduce_time(nbytes, n, alpha, beta)
+    ring = costmodel.all_reduce_time("ring", n, nbytes, alpha, beta)
     wrong = {
         "compute + all-reduce: the overlap is ignored": compute + ring,
         "max(compute, all-reduce): that is full overlap, overlap=1": max(compute, ring),

@@ -12,6 +12,8 @@ back. Register it with :func:`exercise`::
 
 Learners call it as ``check.chunk_data(my_chunk_data)`` (see :data:`check`); the grader calls
 it with the function named ``function`` found in a submitted notebook.
+
+Chapter 0: the exercise checks of the whole course.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ __all__ = [
     "expect_close",
     "expect_equal",
     "run_check",
+    "not_attempted",
+    "display_output",
     "check",
     "DEFAULT_CHECK_TIMEOUT",
 ]
@@ -107,6 +111,15 @@ class CheckResult:
             f'<span style="white-space:pre-wrap">{html.escape(self.text().split(":", 1)[1])}'
             "</span></div>"
         )
+
+
+def display_output(result: CheckResult) -> dict[str, Any]:
+    """The notebook output that showing ``result`` in a notebook produces (nbformat 4)."""
+    return {
+        "output_type": "display_data",
+        "data": {"text/html": result.html(), "text/plain": "<IPython.core.display.HTML object>"},
+        "metadata": {},
+    }
 
 
 _registry: dict[str, Exercise] = {}
@@ -296,12 +309,7 @@ def run_check(label: str, fn: Any) -> CheckResult:
             message = ex.check(fn)
         return CheckResult(label, ex.name, "passed", message or "")
     except NotAttempted as exc:
-        return CheckResult(
-            label,
-            ex.name,
-            "not attempted",
-            f"{exc}. Write the function, run its cell, then run this check again.",
-        )
+        return not_attempted(label, str(exc))
     except Mismatch as exc:
         return CheckResult(label, ex.name, "failed", str(exc))
     except CheckTimeout as exc:
@@ -320,13 +328,24 @@ def run_check(label: str, fn: Any) -> CheckResult:
         )
 
 
+def not_attempted(label: str, reason: str) -> CheckResult:
+    """What the check of ``label`` says of a function that is not written yet: ``reason`` is its
+    ``NotImplementedError``'s message (the student edition shows this without running it)."""
+    return CheckResult(
+        label,
+        registry()[label].name,
+        "not attempted",
+        f"{reason}. Write the function, run its cell, then run this check again.",
+    )
+
+
 def _show(result: CheckResult) -> None:
     try:
         from IPython import get_ipython
         from IPython.display import HTML, display
 
         if get_ipython() is not None:
-            display(HTML(result.html()))
+            display(HTML(result.html()))  # the student edition writes the same: display_output
             return
     except ImportError:
         pass

@@ -10,6 +10,8 @@ chapter's checks itself, in the same kernel, on the functions the exercises name
 (``my_chunk_data`` and so on), and records one row per exercise: ``passed``, ``failed``,
 ``not attempted`` (the student edition's stub is still there), ``missing`` (the function was
 never defined) or ``not run`` (the notebook did not get that far). Scores go to a CSV file.
+
+Chapter 0: the exercise checks of the whole course.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The student edition: the book's sources with every solution taken out.
+"""The book's editions: the sources rendered as the website, with or without the solutions.
 
 ``python -m dpcourse.exercises student --out _build/student`` writes a copy of ``_config.yml``,
 ``_toc.yml`` and ``chapters/`` in which
@@ -8,14 +8,22 @@
 * in code, the lines between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` become
   ``raise NotImplementedError(...)``, so the learner's function keeps its name and signature and
   its check reports "not attempted" until it is written;
-* outputs are cleared and the ``hide-input`` tag of solution cells is dropped.
+* the ``hide-input`` tag of solution cells is dropped.
 
-``make student`` then builds the student website from it; its notebooks are the hand-outs.
+Its notebooks are the hand-outs, saved without outputs. With ``--executed DIR`` (the notebooks
+as ``make notebooks`` ran them) it also writes the sources of the student website, rendered
+without running anything again: every cell keeps the outputs of that run, except the solution
+cells, which lose theirs, and the checks of unwritten functions, which show what they say when
+a learner runs them on the stubs ("not attempted"). ``python -m dpcourse.exercises edition``
+writes the full edition's sources from the same executed notebooks.
+
+Chapter 0: the course's tooling (the student edition; appendix A explains it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -23,6 +31,8 @@ from pathlib import Path
 import yaml
 
 __all__ = [
+    "copy_book",
+    "make_executed_edition",
     "strip_solution_directives",
     "strip_solution_code",
     "student_notebook",
@@ -31,6 +41,8 @@ __all__ = [
 ]
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+_CHECK_CALL = re.compile(r"^check\.(?P<name>\w+)\((?P<fn>\w+)\)$")
+_TOP_LEVEL_DEF = re.compile(r"^def (\w+)\(", re.M)
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|:{3,})\{solution\}")
 _LABEL = re.compile(r":label:\s*(ex-[\w-]+)")
 
@@ -55,6 +67,11 @@ def strip_solution_directives(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "".join(out))
 
 
+def _not_written(label: str | None) -> str:
+    """The message of the stub's ``NotImplementedError``."""
+    return f"Exercise {label}: write your solution here" if label else "Write your solution here"
+
+
 def strip_solution_code(source: str, label: str | None = None) -> str:
     """Replace the lines between the solution markers with ``raise NotImplementedError``."""
     out: list[str] = []
@@ -66,8 +83,7 @@ def strip_solution_code(source: str, label: str | None = None) -> str:
                 raise ValueError(f"nested {BEGIN!r} in:\n{source}")
             inside = True
             indent = line[: len(line) - len(line.lstrip())]
-            what = f"Exercise {label}: write" if label else "Write"
-            out.append(f'{indent}raise NotImplementedError("{what} your solution here")\n')
+            out.append(f'{indent}raise NotImplementedError("{_not_written(label)}")\n')
         elif stripped == END:
             if not inside:
                 raise ValueError(f"{END!r} without {BEGIN!r} in:\n{source}")
@@ -79,11 +95,20 @@ def strip_solution_code(source: str, label: str | None = None) -> str:
     return "".join(out)
 
 
-def student_notebook(nb: dict) -> dict:
-    """The student version of a notebook (as parsed JSON); the input is not modified."""
+def student_notebook(nb: dict, keep_outputs: bool = False) -> dict:
+    """The student version of a notebook (as parsed JSON); the input is not modified.
+
+    Without ``keep_outputs`` every output is cleared (the hand-out). With it, ``nb`` is an
+    executed notebook and its outputs stay, except those of the solution cells, which are
+    cleared, and those of each check of a stubbed function, ``check.<name>(fn)``, which become
+    the check's "not attempted" result, as running it on the stub shows.
+    """
+    from dpcourse.exercises.core import display_output, not_attempted, registry
+
     nb = json.loads(json.dumps(nb))
     cells = []
     label = None
+    stubs: dict[str, str] = {}  # function name -> its stub's NotImplementedError message
     for cell in nb["cells"]:
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         labels = _LABEL.findall(source)
@@ -93,12 +118,24 @@ def student_notebook(nb: dict) -> dict:
             if not source.strip():
                 continue
         elif cell["cell_type"] == "code":
-            source = strip_solution_code(source, label)
+            stripped = strip_solution_code(source, label)
+            solution = stripped != source
+            if solution:
+                stubs.update(dict.fromkeys(_TOP_LEVEL_DEF.findall(source), _not_written(label)))
+            source = stripped
             tags = cell.get("metadata", {}).get("tags", [])
             if "solution" in tags:
                 cell["metadata"]["tags"] = [t for t in tags if t != "hide-input"]
-            cell["outputs"] = []
-            cell["execution_count"] = None
+            call = _CHECK_CALL.match(source.strip())
+            if not keep_outputs or solution:
+                cell["outputs"] = []
+                cell["execution_count"] = None
+            elif call and call["fn"] in stubs:
+                ex = [e for e in registry().values() if e.name == call["name"]]
+                if not ex:
+                    raise ValueError(f"no check is called {call['name']!r}: {source!r}")
+                result = not_attempted(ex[0].label, stubs[call["fn"]])
+                cell["outputs"] = [display_output(result)]
         cell["source"] = source.splitlines(keepends=True)
         cells.append(cell)
     nb["cells"] = cells
@@ -111,36 +148,86 @@ def _student_text_notebook(text: str) -> str:
     return strip_solution_code(strip_solution_directives(text))
 
 
-def make_student_edition(root: Path, out: Path) -> list[Path]:
-    """Write the student edition of the book at ``root`` into ``out``; return its notebooks."""
+def copy_book(
+    root: Path, out: Path, *, executed: Path | None = None, edition: str | None = None
+) -> list[Path]:
+    """Copy the book at ``root`` (config, table of contents, chapters and what the config
+    refers to) into ``out``, a folder of its own; return the notebooks copied.
+
+    With ``executed``, each notebook is taken from there (where ``make notebooks`` wrote it
+    with its outputs) and the copy's config turns execution off, so that building it renders
+    those outputs. ``edition`` names the copy in the site's title.
+    """
     root, out = Path(root), Path(out)
     if out.resolve() == root.resolve():
-        raise ValueError("the student edition must go to a folder of its own")
+        raise ValueError("an edition of the book must go to a folder of its own")
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(
         root / "chapters",
         out / "chapters",
-        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"),
+        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__", "conftest.py"),
     )
     shutil.copy2(root / "_toc.yml", out / "_toc.yml")
-    for extra in ("_ext", "assets", "_vendor"):  # what _config.yml refers to, where present
+    for extra in ("_ext", "assets"):  # what _config.yml refers to, where present
         if (root / extra).is_dir():
             shutil.copytree(root / extra, out / extra,
                             ignore=shutil.ignore_patterns("__pycache__"))
+    if (root / "_vendor").is_dir():  # MathJax and friends: large, read only, so linked
+        (out / "_vendor").symlink_to(os.path.relpath((root / "_vendor").resolve(), out.resolve()))
     config = yaml.safe_load((root / "_config.yml").read_text())
-    config["title"] = f"{config.get('title', 'Book')} (student edition)"
-    config.setdefault("sphinx", {}).setdefault("config", {})["hide_solutions"] = True
+    if edition:
+        config["title"] = f"{config.get('title', 'Book')} ({edition})"
+    notebooks = sorted((out / "chapters").rglob("*.ipynb"))
+    if executed is not None:
+        missing = []
+        for path in notebooks:
+            ran = Path(executed) / path.relative_to(out)
+            if ran.exists() and _sources(ran) == _sources(path):
+                shutil.copy2(ran, path)
+            else:
+                missing.append(str(path.relative_to(out)))
+        if missing:
+            raise FileNotFoundError(
+                f"{executed} has no executed copy of the current version of "
+                f"{', '.join(missing)}: run `make notebooks` first."
+            )
+        config.setdefault("execute", {})["execute_notebooks"] = "off"
     (out / "_config.yml").write_text(
+        "# Generated by `python -m dpcourse.exercises`: edit the original instead.\n"
+        + yaml.safe_dump(config, sort_keys=False)
+    )
+    return notebooks
+
+
+def _sources(path: Path) -> list[tuple[str, str]]:
+    cells = json.loads(Path(path).read_text())["cells"]
+    return [(c["cell_type"], "".join(c["source"])) for c in cells]
+
+
+def make_executed_edition(root: Path, out: Path, executed: Path) -> list[Path]:
+    """The full edition's sources in ``out``, its notebooks as ``make notebooks`` ran them."""
+    return copy_book(root, out, executed=executed)
+
+
+def make_student_edition(root: Path, out: Path, executed: Path | None = None) -> list[Path]:
+    """Write the student edition of the book at ``root`` into ``out``; return its notebooks.
+
+    Without ``executed`` its notebooks have no outputs (the hand-outs, and a book that executes
+    them when built); with it they keep that run's outputs (see :func:`student_notebook`).
+    """
+    written = copy_book(root, out, executed=executed, edition="student edition")
+    config_path = Path(out) / "_config.yml"
+    config = yaml.safe_load(config_path.read_text())
+    config.setdefault("sphinx", {}).setdefault("config", {})["hide_solutions"] = True
+    config_path.write_text(
         "# Generated by `python -m dpcourse.exercises student`: edit the original instead.\n"
         + yaml.safe_dump(config, sort_keys=False)
     )
-    written = []
-    for path in sorted((out / "chapters").rglob("*")):
+    for path in sorted((Path(out) / "chapters").rglob("*")):
         if path.suffix == ".ipynb":
-            nb = student_notebook(json.loads(path.read_text()))
+            nb = student_notebook(json.loads(path.read_text()), keep_outputs=executed is not None)
             path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-            written.append(path)
         elif path.suffix == ".md":
             path.write_text(_student_text_notebook(path.read_text()))
     return written

@@ -3,7 +3,9 @@
 :func:`dpcourse.launch.run_ranks` raises one of these in the caller: :class:`RankError` when a
 rank raised (with that rank's traceback), :class:`RankDiedError` when a rank's process died,
 :class:`RankTimeoutError` when ranks stalled (with the stack each was stuck in). They are
-importable from :mod:`dpcourse.launch` too.
+importable from :mod:`dpcourse.launch` too (where learners catch them).
+
+Chapter 0: the course-wide launcher's plumbing.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import linecache
 import signal
 
 __all__ = ["RankError", "RankDiedError", "RankTimeoutError"]
+
+# Frames of the rank program itself, cut from the stacks shown to the learner.
+WORKER_FILE = "dpcourse/_launch/worker.py"
 
 
 class RankError(RuntimeError):
@@ -133,6 +138,6 @@ def learner_stack(dump: str) -> str:
         if any("_watch_parent" in line for line in block):
             continue
         lines = block[1:]  # "Current thread 0x... (most recent call first):"
-        cut = next((i for i, line in enumerate(lines) if "dpcourse/_worker.py" in line), len(lines))
+        cut = next((i for i, line in enumerate(lines) if WORKER_FILE in line), len(lines))
         kept.append("\n".join(lines[:cut]))
     return "\n".join(kept)

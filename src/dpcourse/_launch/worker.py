@@ -1,10 +1,12 @@
-"""The program each rank runs under :mod:`dpcourse.launch` (``python -m dpcourse._worker FD``).
+"""What each rank runs under :mod:`dpcourse.launch`: ``python -m dpcourse._launch.worker FD``.
 
 It joins the process group through the store its parent hosts, then serves jobs sent over the
 socket ``FD`` until it is told to stop: each job is ``(fn, args, kwargs)`` serialised by value
 with cloudpickle, so a function defined in a notebook cell or a script's ``__main__`` works.
 Replies are ``("ready",)``, ``("result", bytes)`` or ``("error", type name, message,
 traceback, pickled exception or None)``.
+
+Chapter 0: the course-wide launcher's plumbing.
 """
 
 from __future__ import annotations
