@@ -3,9 +3,9 @@
 Plain data parallelism keeps the whole optimizer state on every rank: N identical copies of
 Adam's two moments. :class:`ShardedOptimizer` keeps 1/N of it on each rank (Rajbhandari et al.,
 2020). For each parameter group the trainable parameters are laid end to end in one flat buffer,
-and the parameters become views into it. Rank r **owns** the contiguous slice
-``chunk_bounds(numel, N)[r]`` of that buffer, the very chunk that the ring reduce-scatter of
-chapter 6 leaves fully reduced on rank r. One step is then
+and the parameters become views into it (:mod:`dpcourse.flat_shards`). Rank r **owns** the
+contiguous slice ``chunk_bounds(numel, N)[r]`` of that buffer, the very chunk that the ring
+reduce-scatter of chapter 6 leaves fully reduced on rank r. One step is then
 
 1. copy the gradients into a flat gradient buffer of the same layout;
 2. **reduce-scatter** it with our ring: rank r ends with the sum of its slice, divided by N
@@ -28,78 +28,21 @@ Chapter 9: sharded optimizers (ZeRO stages 1 and 2) from scratch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.collectives.p2p import rank_and_size
 from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
-from dpcourse.collectives.tree import tree_broadcast
+from dpcourse.flat_shards import FlatGroup, flatten_group, owner_of, shard_bounds
 
 __all__ = [
     "ShardedOptimizer",
     "shard_bounds",
     "owner_of",
 ]
-
-
-def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """(start, end) of the slice of a flat buffer of ``numel`` elements that ``rank`` owns.
-
-    The same chunks as the ring reduce-scatter (:func:`~dpcourse.collectives.ops.chunk_bounds`):
-    the first ``numel % world_size`` ranks own one element more. Chapter 9's first exercise.
-    """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank {rank} of {world_size}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    return chunk_bounds(numel, world_size)[rank]
-
-
-def owner_of(index: int, numel: int, world_size: int) -> int:
-    """The rank that owns element ``index`` of a flat buffer of ``numel`` elements."""
-    if not 0 <= index < numel:
-        raise IndexError(f"index {index} is outside a buffer of {numel} elements")
-    base, extra = divmod(numel, world_size)
-    # The first `extra` ranks own base + 1 elements each, the others base.
-    if index < extra * (base + 1):
-        return index // (base + 1)
-    return extra + (index - extra * (base + 1)) // base
-
-
-@dataclass
-class _FlatGroup:
-    """One parameter group laid out flat: the buffers and where this rank's shard is."""
-
-    params: list[nn.Parameter]
-    offsets: list[tuple[int, int]]  # each parameter's (start, end) in the flat buffer
-    flat: torch.Tensor  # every trainable parameter of the group, end to end
-    grad: torch.Tensor | None  # flat gradient buffer (stage 1: kept; stage 2: per step)
-    start: int
-    end: int
-    shard: nn.Parameter  # flat[start:end], the slice this rank steps
-
-    @property
-    def numel(self) -> int:
-        return self.flat.numel()
-
-
-def _into_flat(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
-    """A post-accumulate-grad hook: move the parameter's fresh gradient into ``view`` (its
-    place in the flat gradient buffer) and make ``.grad`` that view, so that the gradient is
-    held once, as DDP's ``gradient_as_bucket_view`` does (chapter 7). Later backward passes
-    then accumulate straight into the buffer."""
-
-    def hook(param: torch.Tensor) -> None:
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
-
-    return hook
 
 
 class ShardedOptimizer:
@@ -169,7 +112,7 @@ class ShardedOptimizer:
             )
         self.device = trainable[0].device
 
-        self._groups: list[_FlatGroup] = []
+        self._groups: list[FlatGroup] = []
         inner_groups = []
         for i, group in enumerate(groups):
             params_g = [p for p in group["params"] if p.requires_grad]
@@ -179,35 +122,14 @@ class ShardedOptimizer:
                     f"parameter group {i} mixes dtypes ({', '.join(dtypes)}): one flat buffer "
                     "holds one dtype; put the parameters of each dtype in a group of their own"
                 )
-            flat_group = self._flatten(params_g, broadcast_parameters)
+            flat_group = flatten_group(
+                params_g, self.device, self.rank, self.world_size,
+                keep_full_grad=self.stage == 1, broadcast=broadcast_parameters,
+            )
             self._groups.append(flat_group)
             options = {k: v for k, v in group.items() if k != "params"}
             inner_groups.append({"params": [flat_group.shard], **options})
         self.optimizer = optimizer_cls(inner_groups, **optimizer_kwargs)
-
-    # --------------------------------------------------------------------------- layout
-    def _flatten(self, params: list[nn.Parameter], broadcast: bool) -> _FlatGroup:
-        dtype = params[0].dtype if params else torch.float32
-        numel = sum(p.numel() for p in params)
-        flat = torch.empty(numel, dtype=dtype, device=self.device)
-        offsets, start = [], 0
-        for p in params:
-            end = start + p.numel()
-            flat[start:end].copy_(p.detach().reshape(-1))
-            offsets.append((start, end))
-            start = end
-        if broadcast and self.world_size > 1 and numel > 0:
-            tree_broadcast(flat, src=0)
-        for p, (s, e) in zip(params, offsets, strict=True):
-            p.data = flat[s:e].view_as(p)  # the parameter now lives in the flat buffer
-        s0, s1 = shard_bounds(numel, self.world_size, self.rank)
-        shard = nn.Parameter(flat[s0:s1])  # a view: stepping it updates flat in place
-        grad = torch.zeros_like(flat) if self.stage == 1 else None
-        shard.grad = grad[s0:s1] if grad is not None else torch.zeros_like(flat[s0:s1])
-        if grad is not None:
-            for p, (s, e) in zip(params, offsets, strict=True):
-                p.register_post_accumulate_grad_hook(_into_flat(grad[s:e].view_as(p)))
-        return _FlatGroup(params, offsets, flat, grad, s0, s1, shard)
 
     # ----------------------------------------------------------------------------- step
     @torch.no_grad()
