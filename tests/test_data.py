@@ -144,3 +144,13 @@ def test_shard_indices_cover_every_index_once(num_samples, world_size):
 def test_shard_indices_rejects_bad_input(args):
     with pytest.raises(ValueError):
         data.shard_indices(*args)
+
+
+def test_digits_batch_is_a_collated_draw_of_its_seed():
+    src, tgt_in, tgt_out = data.digits_batch(6, seed=3, max_len=4)
+    ds = data.DigitsToWords(6, 1, 4, seed=3)
+    want = data.collate_seq2seq([ds[i] for i in range(6)])
+    for got, expected in zip((src, tgt_in, tgt_out), want, strict=True):
+        assert torch.equal(got, expected)
+    assert src.shape == (6, 5) and tgt_in.shape == tgt_out.shape == (6, 5)
+    assert not torch.equal(data.digits_batch(6, seed=4, max_len=4)[0], src)

@@ -88,8 +88,7 @@ def test_measure_does_not_train():
 
 
 def test_transformer_estimate_on_meta_equals_cpu_and_undercounts():
-    ds = data.DigitsToWords(16, 1, 6, seed=0)
-    src, tgt_in, tgt_out = data.collate_seq2seq([ds[i] for i in range(16)])
+    src, tgt_in, tgt_out = data.digits_batch(16, seed=0, max_len=6)
     torch.manual_seed(0)
     model = models.TinyTransformer(max_len=8)
     on_cpu = memory.estimate_training_memory(model, (src, tgt_in))
@@ -165,8 +164,7 @@ def test_zero_memory_per_rank_rejects_bad_input(args):
 
 
 def test_saved_activations_by_op_adds_up_to_the_measurement():
-    ds = data.DigitsToWords(16, 1, 6, seed=0)
-    seq_batch = data.collate_seq2seq([ds[i] for i in range(16)])
+    seq_batch = data.digits_batch(16, seed=0, max_len=6)
     torch.manual_seed(0)
     for model, batch, loss_fn in [
         (models.MLP(), _mlp_batch(), mse),

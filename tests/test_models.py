@@ -30,8 +30,7 @@ def test_models_are_deterministic_under_manual_seed():
 
 
 def _batch(n: int = 8, max_len: int = 5):
-    ds = data.DigitsToWords(n, 1, max_len, seed=0)
-    return data.collate_seq2seq([ds[i] for i in range(n)])
+    return data.digits_batch(n, seed=0, max_len=max_len)
 
 
 def test_transformer_output_shape():

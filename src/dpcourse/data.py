@@ -215,6 +215,17 @@ def collate_seq2seq(
     return src, tgt[:, :-1], tgt[:, 1:]
 
 
+def digits_batch(
+    batch_size: int, seed: int = 0, min_len: int = 1, max_len: int = 8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fresh batch of the digits task, ``(src, tgt_in, tgt_out)`` as :func:`collate_seq2seq`
+    returns it, drawn from ``seed``: the same seed gives the same batch. The benchmarks and
+    chapters 1 and 9 feed the Transformer with it (``seed=1000 * step + rank`` gives every
+    rank its own samples at every step)."""
+    samples = DigitsToWords(batch_size, min_len, max_len, seed=seed)
+    return collate_seq2seq([samples[i] for i in range(batch_size)])
+
+
 # ---------------------------------------------------------------------------------- sharding
 def shard_indices(num_samples: int, rank: int, world_size: int) -> list[int]:
     """The indices of rank ``rank``'s shard of a data set of ``num_samples`` samples.

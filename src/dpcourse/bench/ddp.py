@@ -63,8 +63,7 @@ def make_model_and_batch(name: str, batch: int, rank: int):
     elif name == "transformer":
         torch.manual_seed(0)
         model = models.TinyTransformer()
-        ds = data.DigitsToWords(batch, seed=rank)
-        inputs = data.collate_seq2seq([ds[i] for i in range(batch)])
+        inputs = data.digits_batch(batch, seed=rank)
         loss_fn = models.sequence_cross_entropy
     else:
         raise ValueError(f"unknown model {name!r}: use 'mlp' or 'transformer'")
