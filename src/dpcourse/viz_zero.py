@@ -1,0 +1,69 @@
+"""Plots of chapter 9: memory per rank under ZeRO, and the optimizer state each rank holds.
+
+Each function takes what the chapter has already computed (bytes per rank from
+:func:`~dpcourse.zero_memory.zero_memory_per_rank`, state bytes measured by
+:func:`~dpcourse.bench.zero.train_variants_on_rank`), draws them on a new figure, returns the
+figure and never calls ``plt.show``. Nothing here trains or measures.
+
+Chapter 9: plots of ZeRO's memory per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+__all__ = ["plot_memory_per_rank", "plot_state_per_rank"]
+
+
+def plot_memory_per_rank(
+    world_sizes: Sequence[int],
+    bytes_per_rank: Mapping[str, Sequence[float]],
+    title: str,
+    gpu_bytes: float | None = 80 * 2**30,
+) -> Figure:
+    """Bytes per rank of the model states against the number of ranks, both axes logarithmic,
+    in GB (10⁹ bytes): one line with dots per entry of ``bytes_per_rank`` (``{label: bytes for
+    each world size}``, e.g. data parallelism and ZeRO stages 1 to 3), and a dashed line at
+    ``gpu_bytes``, the memory of one GPU (none when ``None``). Chapter 9, section 9.2."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, values in bytes_per_rank.items():
+        ax.plot(world_sizes, [v / 1e9 for v in values], "o-", label=label)
+    if gpu_bytes is not None:
+        ax.axhline(gpu_bytes / 1e9, color="grey", ls="--", lw=1)
+        ax.text(max(world_sizes) * 0.29, gpu_bytes / 1e9 * 0.78,
+                f"one {gpu_bytes / 2**30:g} GiB GPU", color="grey", fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="GB per rank (model states)",
+           title=title)
+    ax.set_xticks(world_sizes, [str(n) for n in world_sizes])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def plot_state_per_rank(
+    state_per_rank: Mapping[int, Mapping[str, Sequence[int]]],
+    unsharded: int,
+    num_params: int,
+) -> Figure:
+    """Optimizer state held by each rank as a fraction of the ``unsharded`` state: one panel per
+    world size N of ``state_per_rank`` (``{N: {optimizer name: bytes of rank 0, 1, ...}}``),
+    side by side bars per optimizer for each rank, and a dashed line at the even share 1/N.
+    ``num_params`` goes in the title. Chapter 9, section 9.6."""
+    fig, axes = plt.subplots(1, len(state_per_rank), figsize=(4 * len(state_per_rank), 3.5),
+                             sharey=True, layout="constrained", squeeze=False)
+    for ax, (n, by_name) in zip(axes[0], state_per_rank.items(), strict=True):
+        width = 0.76 / len(by_name)
+        for k, (name, values) in enumerate(by_name.items()):
+            offset = (k - (len(by_name) - 1) / 2) * width
+            ax.bar([r + offset for r in range(n)], [v / unsharded for v in values], width,
+                   label=name)
+        ax.axhline(1 / n, color="black", lw=1, ls="--")
+        ax.set(title=f"N = {n}", xlabel="rank", xticks=range(n))
+        ax.grid(alpha=0.3, axis="y")
+    axes[0, 0].set_ylabel("optimizer state / unsharded")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"Adam state per rank, measured (dashed: 1/N); {num_params:,} parameters")
+    return fig
