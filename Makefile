@@ -21,7 +21,7 @@ JOBS ?= 2
 XDIST = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup)
 # Every notebook under nbval, each cell a test with a time limit (seconds).
 CELL_TIMEOUT ?= 600
-NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --timeout=0
+NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --timeout=0 --durations=20
 # Where `make notebooks` keeps each notebook as it ran (the websites are rendered from these).
 EXECUTED := _build/executed
 
