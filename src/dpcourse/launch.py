@@ -29,6 +29,12 @@ same world size and backend uses it::
     with RankPool(4):
         run_ranks(work, 4)      # no start-up cost after the first
 
+With the environment variable ``DPCOURSE_KEEP_RANKS=K``, :func:`run_ranks` itself keeps the
+ranks it starts open for later calls of the same size, up to ``K`` world sizes (the oldest is
+closed first), until the interpreter exits. ``make notebooks`` sets it, so that the test run
+starts each world size's ranks once per notebook instead of at every cell; a pooled rank draws
+the same random numbers as a fresh one, so the notebooks' results do not change.
+
 The process plumbing (spawning, pipes, the program each rank runs, stack dumps on a timeout)
 lives in the private :mod:`dpcourse._launch`. :func:`run_torchrun` runs a script or module under
 ``torchrun`` in a subprocess, for tests and for chapter 8's command-line trainer.
@@ -39,6 +45,7 @@ Chapter 0: the course-wide runtime and launcher.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -213,7 +220,8 @@ def run_ranks(
     :class:`RankTimeoutError` if the run takes longer than ``timeout`` seconds (start-up not
     counted); no rank outlives a failed run. If a :class:`RankPool` with the same world size and
     backend is open, the run uses its ranks; otherwise ranks are started and stopped for this
-    call alone. Used in every multi-process chapter (5 onwards) and by the tests.
+    call alone (or kept for the next call, under ``DPCOURSE_KEEP_RANKS``: see the module's
+    docstring). Used in every multi-process chapter (5 onwards) and by the tests.
     """
     _check_arguments(world_size, backend)  # before looking for a pool: 2.0 is no world size
     pool_backend = runtime.choose_backend(world_size) if backend == "auto" else backend
@@ -230,10 +238,35 @@ def run_ranks(
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     payload = serialise(fn, args, kwargs)  # fails on unpicklable input before any start-up
     pool = RankPool(world_size, backend)
+    if _kept_pools_limit() > 0:
+        _keep(pool)
+        return pool._run_payload(payload, timeout)
     try:
         return pool._run_payload(payload, timeout)
     finally:
         pool.close()
+
+
+# Pools that run_ranks keeps open under DPCOURSE_KEEP_RANKS, oldest first.
+_kept_pools: list[RankPool] = []
+
+
+def _kept_pools_limit() -> int:
+    value = os.environ.get("DPCOURSE_KEEP_RANKS", "0")
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(
+            f"DPCOURSE_KEEP_RANKS must be a number of pools (0 to keep none), got {value!r}"
+        ) from None
+
+
+def _keep(pool: RankPool) -> None:
+    """Open ``pool`` for later run_ranks calls; close the oldest kept pools beyond the limit."""
+    pool.start(lazy=True)
+    _kept_pools.append(pool)
+    while len(_kept_pools) > _kept_pools_limit():
+        _kept_pools.pop(0).close()
 
 
 @atexit.register
