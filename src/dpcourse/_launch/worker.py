@@ -6,7 +6,9 @@ with cloudpickle, so a function defined in a notebook cell or a script's ``__mai
 Every job starts from torch's random state at start-up, so that a job run by a long-lived
 :class:`~dpcourse.launch.RankPool` draws the same random numbers as in fresh ranks. Replies are
 ``("ready",)``, ``("result", bytes)`` or ``("error", type name, message, traceback, pickled
-exception or None)``. Chapter 0: the course-wide launcher's plumbing.
+exception or None)``.
+
+Chapter 0: the course-wide launcher's plumbing.
 """
 
 from __future__ import annotations
