@@ -101,12 +101,14 @@ unit: $(STAMP)
 # The full check, as CI runs it. It goes on after a failing step, so that one run reports
 # every failure (a cell that raised also shows on its page), then fails if any step did.
 test: $(STAMP) vendor
-	@failed=""; \
-	$(MAKE) --no-print-directory lint || failed="$$failed lint"; \
-	$(MAKE) --no-print-directory notebooks || failed="$$failed notebooks"; \
-	$(MAKE) --no-print-directory site || failed="$$failed site"; \
+	@failed=""; times=""; t=$$(date +%s); \
+	lap() { now=$$(date +%s); times="$$times $$1 $$((now - t)) s,"; t=$$now; }; \
+	$(MAKE) --no-print-directory lint || failed="$$failed lint"; lap lint; \
+	$(MAKE) --no-print-directory notebooks || failed="$$failed notebooks"; lap notebooks; \
+	$(MAKE) --no-print-directory site || failed="$$failed site"; lap "websites"; \
 	DPCOURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) \
-	  || failed="$$failed tests"; \
+	  || failed="$$failed tests"; lap "tests"; \
+	echo "make test took:$${times%,}"; \
 	if [ -n "$$failed" ]; then echo "make test failed:$$failed"; exit 1; fi
 
 # The website in a real browser (tests/test_browser.py) and its internal links (tests/test_links.py).

@@ -13,6 +13,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs 2 or more CUDA GPUs, found {gpus}"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU, found none"))
+    # The slow tests first: on two workers, one long test started last would keep the run
+    # waiting on it alone.
+    items.sort(key=lambda item: "slow" not in item.keywords)
 
 
 # Ranks started once per test process and reused by every test: `run_ranks` runs on an open
