@@ -34,45 +34,7 @@ RTOL, ATOL = 1e-5, 1e-6
 B = 1 / MB  # one byte, in the MiB that bucket_cap_mb counts
 
 
-class Tricky(nn.Module):
-    """What real models have: a frozen layer, a frozen bias, a weight shared by two layers (one
-    Parameter object registered twice) and a buffer (``scale``, different on every rank until
-    DDP broadcasts rank 0's)."""
-
-    def __init__(self, scale: float = 1.0) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, 8)
-        self.frozen = nn.Linear(8, 8)
-        self.frozen.requires_grad_(False)
-        self.mid = nn.Linear(8, 8)
-        self.mid.bias.requires_grad_(False)
-        self.tied = nn.Linear(8, 8, bias=False)
-        self.tied.weight = self.mid.weight  # the same Parameter, registered twice
-        self.out = nn.Linear(8, 2)
-        self.register_buffer("scale", torch.full((5,), scale))
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x * self.scale))
-        h = torch.tanh(self.frozen(h))
-        h = torch.tanh(self.tied(torch.tanh(self.mid(h))))
-        return self.out(h)
-
-
-class Branchy(nn.Module):
-    """``extra`` (registered last, so in the first bucket) is used only when asked: some steps
-    on some ranks, some steps on none."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(5, 8)
-        self.b = nn.Linear(8, 2)
-        self.extra = nn.Linear(8, 8)
-
-    def forward(self, x, use_extra: bool):
-        h = torch.relu(self.a(x))
-        if use_extra:
-            h = h + torch.tanh(self.extra(h))
-        return self.b(h)
+Tricky, Branchy = models.Tricky, models.Branchy  # shared with chapter 7
 
 
 def uses_extra(step: int, rank: int) -> bool:

@@ -3,7 +3,9 @@
 * :class:`MLP`: 5 features -> 2 outputs, three Linear layers; the running example of every chapter;
 * :class:`TinyTransformer`: an encoder-decoder ``nn.Transformer`` for :class:`DigitsToWords`;
 * :class:`ConvNetBN`: a tiny CNN with BatchNorm, whose running statistics make chapter 8's
-  SyncBatchNorm discussion concrete.
+  SyncBatchNorm discussion concrete;
+* :class:`Branchy` and :class:`Tricky`: what real models do to DDP (chapter 7 and its tests): a
+  layer used on some steps only; frozen parameters, a weight shared by two layers, a buffer.
 
 None of them seeds anything: their initial weights come from the global RNG, so
 ``torch.manual_seed(s)`` before construction makes them reproducible (every rank of a
@@ -20,7 +22,7 @@ from torch import nn
 
 from dpcourse.data import BOS, EOS, PAD, VOCAB_SIZE
 
-__all__ = ["MLP", "TinyTransformer", "sequence_cross_entropy", "ConvNetBN"]
+__all__ = ["MLP", "TinyTransformer", "sequence_cross_entropy", "ConvNetBN", "Branchy", "Tricky"]
 
 
 class MLP(nn.Module):
@@ -178,3 +180,41 @@ class ConvNetBN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x).flatten(1))
+
+
+class Branchy(nn.Module):
+    """5 features -> 2 outputs, with a layer ``extra`` used only when ``forward(x, use_extra)``
+    is asked to: on some steps, on some ranks, or on none. ``extra`` is registered last, so it
+    lands in DDP's first bucket (chapter 7: every rank must still send that bucket)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.extra = nn.Linear(5, 8), nn.Linear(8, 2), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        return self.b(h + torch.tanh(self.extra(h)) if use_extra else h)
+
+
+class Tricky(nn.Module):
+    """5 features -> 2 outputs with what real models have: a frozen layer, a frozen bias, a
+    weight shared by two layers (one Parameter registered twice) and a buffer ``scale`` (set
+    differently on every rank, until DDP broadcasts rank 0's). Chapter 7's tests use it."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.mid = nn.Linear(8, 8)
+        self.mid.bias.requires_grad_(False)
+        self.tied = nn.Linear(8, 8, bias=False)
+        self.tied.weight = self.mid.weight  # the same Parameter, registered twice
+        self.out = nn.Linear(8, 2)
+        self.register_buffer("scale", torch.full((5,), scale))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x * self.scale))
+        h = torch.tanh(self.frozen(h))
+        h = torch.tanh(self.tied(torch.tanh(self.mid(h))))
+        return self.out(h)
