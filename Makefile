@@ -63,16 +63,20 @@ $(EXECUTED)/chapters: $(wildcard chapters/*.ipynb) $(shell find src -name '*.py'
 
 # The website (_build/html) and the student website rendered from the executed notebooks,
 # without running a cell again. A notebook whose cells raised shows the traceback on its page,
-# and its report is copied to _build/html/reports/.
+# and its report is copied to _build/html/reports/. The two builds run side by side (each
+# uses one core); the student build's log follows the other's.
 site: $(STAMP) vendor
 	@rm -rf _build/html/reports
 	$(BIN)/python -m dpcourse.exercises edition --executed $(EXECUTED) --out _build/full
-	@status=0; $(BIN)/jupyter-book build _build/full --path-output . --all -W --keep-going \
-	  || status=1; \
+	@status=0; \
+	$(MAKE) --no-print-directory student-site > _build/student-site.log 2>&1 & student=$$!; \
+	$(BIN)/jupyter-book build _build/full --path-output . --all -W --keep-going || status=1; \
+	wait $$student || status=1; \
+	echo "--- the student website's build:"; cat _build/student-site.log; \
 	for log in $$(cd $(EXECUTED) && find . -name '*.err.log'); do \
 	  mkdir -p _build/html/reports/$$(dirname $$log); cp $(EXECUTED)/$$log _build/html/reports/$$log; \
 	  echo "A cell raised: see _build/html/reports/$$log"; status=1; done; \
-	$(MAKE) --no-print-directory student-site || status=1; exit $$status
+	exit $$status
 
 # The student edition: hand-out notebooks without outputs in _build/student/chapters/, and its
 # website in _build/student/_build/html, rendered from the executed notebooks (solutions and
