@@ -159,16 +159,32 @@
   for (const font of document.fonts) {
     if (font.status === 'error') problems.push(`font did not load: ${font.family}`);
   }
-  // No cell output runs off the page: nothing in an output area is wider than its box, so
-  // nothing scrolls sideways (the test's window is 1300 pixels wide, a laptop's).
+  // No cell output runs off the page: no box in an output area is wider than it shows, so
+  // nothing scrolls sideways or spills past its box (the test's window is 1300 pixels wide, a
+  // laptop's). Boxes that clip on purpose (a widget's label, with an ellipsis) do not count.
   const wide = [];
   for (const out of document.querySelectorAll('.cell_output')) {
+    const right = out.getBoundingClientRect().right;
     for (const el of [out, ...out.querySelectorAll('*')]) {
-      if (el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1) {
-        wide.push(`${el.scrollWidth - el.clientWidth} px too wide: "${short(el.textContent, 60)}"`);
+      const overflow = getComputedStyle(el).overflowX;
+      if (el.clientWidth === 0 || el.scrollWidth <= el.clientWidth + 1) continue;
+      // A scroll bar, or content spilling visibly past the output's right edge (a slider's
+      // handle that pokes out of its track but stays inside the output is fine).
+      const scrolls = ['auto', 'scroll'].includes(overflow);
+      const spills = overflow === 'visible'
+        && el.getBoundingClientRect().left + el.scrollWidth > right + 1;
+      if (scrolls || spills) {
+        const what = el.tagName.toLowerCase() + (typeof el.className === 'string' && el.className
+          ? '.' + el.className.trim().split(/\s+/).join('.') : '');
+        wide.push(`${el.scrollWidth - el.clientWidth} px too wide (${what}, overflow ${overflow}): `
+                  + `"${short(el.textContent, 60)}"`);
         break;  // one per output
       }
     }
+  }
+  const page = document.scrollingElement;
+  if (page.scrollWidth > page.clientWidth + 1) {
+    problems.push(`the page scrolls sideways, ${page.scrollWidth - page.clientWidth} px too wide`);
   }
   counts.wide_outputs = wide.length;
   for (const w of wide) problems.push(`a cell output scrolls sideways, ${w}`);

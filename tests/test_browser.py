@@ -497,9 +497,14 @@ BREAKAGES = {
     ),
     "an output wider than the page": (
         lambda h: _break(
-            h, "<h1>", '<div class="cell_output"><pre>' + "wide " * 300 + "</pre></div><h1>"
+            h,
+            '<article class="bd-article">',  # in the page's text, not its print-only header
+            '<article class="bd-article"><div class="cell_output"><pre style="white-space: pre">'
+            + "wide " * 300
+            + '</pre></div><div class="cell_output"><table style="width: 3000px"><tr><td>wide'
+            "</td></tr></table></div>",
         ),
-        "a cell output scrolls sideways",
+        "scrolls sideways",
     ),
     "TeX outside MathJax's reach": (
         lambda h: _break(h, "<h1>", r"<p>single dollars: $\alpha$</p><h1>"),

@@ -338,13 +338,6 @@ def draw_random():
     return torch.rand(3).tolist()
 
 
-def test_a_pooled_rank_draws_what_a_fresh_rank_draws():
-    fresh = run_ranks(draw_random, 5)
-    with RankPool(5) as pool:
-        assert pool.run(draw_random) == fresh
-        assert pool.run(draw_random) == fresh  # no random state carried from run to run
-
-
 def test_keep_ranks_reuses_started_ranks_and_closes_the_oldest(monkeypatch):
     def pid():
         return os.getpid()

@@ -32,8 +32,9 @@ same world size and backend uses it::
 With the environment variable ``DPCOURSE_KEEP_RANKS=K``, :func:`run_ranks` itself keeps the
 ranks it starts open for later calls of the same size, up to ``K`` world sizes (the oldest is
 closed first), until the interpreter exits. ``make notebooks`` sets it, so that the test run
-starts each world size's ranks once per notebook instead of at every cell; a pooled rank draws
-the same random numbers as a fresh one, so the notebooks' results do not change.
+starts each world size's ranks once per notebook instead of at every cell. No result depends
+on it: torch seeds every fresh process at random, so code that needs the same numbers on every
+run seeds them itself (the chapters do), in fresh and in kept ranks alike.
 
 The process plumbing (spawning, pipes, the program each rank runs, stack dumps on a timeout)
 lives in the private :mod:`dpcourse._launch`. :func:`run_torchrun` runs a script or module under

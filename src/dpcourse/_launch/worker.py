@@ -3,10 +3,8 @@
 It joins the process group through the store its parent hosts, then serves jobs sent over the
 socket ``FD`` until it is told to stop: each job is ``(fn, args, kwargs)`` serialised by value
 with cloudpickle, so a function defined in a notebook cell or a script's ``__main__`` works.
-Every job starts from torch's random state at start-up, so that a job run by a long-lived
-:class:`~dpcourse.launch.RankPool` draws the same random numbers as in fresh ranks. Replies are
-``("ready",)``, ``("result", bytes)`` or ``("error", type name, message, traceback, pickled
-exception or None)``.
+Replies are ``("ready",)``, ``("result", bytes)`` or ``("error", type name, message,
+traceback, pickled exception or None)``.
 
 Chapter 0: the course-wide launcher's plumbing.
 """
@@ -49,11 +47,8 @@ def _error_reply(exc: BaseException, skip_frames: int) -> tuple:
     return ("error", type(exc).__name__, str(exc), text, original)
 
 
-def _run_job(payload: bytes, seed: int) -> tuple:
+def _run_job(payload: bytes) -> tuple:
     import cloudpickle
-    import torch
-
-    torch.manual_seed(seed)  # a pooled rank draws what a fresh one would
 
     # The caller's sys.path comes first, so that functions it imported from its own modules
     # (pickled by reference) import here too.
@@ -96,7 +91,6 @@ def main() -> None:
 
     from dpcourse import runtime
 
-    seed = torch.initial_seed()  # torch's fixed default: every fresh rank starts from it
     threads = int(os.environ.get("DPCOURSE_THREADS", "1"))
     if threads > 0:
         torch.set_num_threads(threads)
@@ -122,7 +116,7 @@ def main() -> None:
             break
         if message[0] == "stop":
             break
-        reply = _run_job(message[1], seed)
+        reply = _run_job(message[1])
         # Output written before the reply must reach the parent before the reply does.
         sys.stdout.flush()
         sys.stderr.flush()
