@@ -36,10 +36,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-# One worker runs this whole module, so that its module-scoped fixture is computed once
-# (pytest -n 2 --dist loadgroup would otherwise compute it on both workers).
-pytestmark = pytest.mark.xdist_group("test_browser")
-
 ROOT = Path(__file__).resolve().parents[1]
 HTML = ROOT / "_build" / "html"
 STUDENT_HTML = ROOT / "_build" / "student" / "_build" / "html"

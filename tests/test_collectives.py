@@ -106,7 +106,9 @@ def compare_everything(world: int) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize(
+    "world_size", [1, 2, 3, 4, *(pytest.param(n, marks=pytest.mark.slow) for n in (5, 6, 7, 8))]
+)
 def test_collectives_equal_torch_distributed(world_size):
     results = run_ranks(compare_everything, world_size, world_size, timeout=600)
     failures = [f for r in results for f in r]

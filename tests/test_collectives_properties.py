@@ -15,10 +15,6 @@ from dpcourse import collectives as C
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.launch import RankPool
 
-# One worker runs this whole module, so that its module-scoped fixture is computed once
-# (pytest -n 2 --dist loadgroup would otherwise compute it on both workers).
-pytestmark = pytest.mark.xdist_group("test_collectives_properties")
-
 
 def check_case(n: int, seed: int, op: str, root: int) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -11,10 +11,6 @@ from dpcourse import buckets, ddp
 from dpcourse.exercises import ch07, run_check
 from dpcourse.launch import RankPool
 
-# One worker runs this whole module, so that its module-scoped fixture is computed once
-# (pytest -n 2 --dist loadgroup would otherwise compute it on both workers).
-pytestmark = pytest.mark.xdist_group("test_exercises_ch07")
-
 
 @pytest.fixture
 def short_timeouts(monkeypatch):

@@ -10,10 +10,6 @@ import torch
 
 from dpcourse import data, models, noise_scale
 
-# One worker runs this whole module, so that its module-scoped fixture is computed once
-# (pytest -n 2 --dist loadgroup would otherwise compute it on both workers).
-pytestmark = pytest.mark.xdist_group("test_noise_scale")
-
 
 # ----------------------------------------------------------------- the gradient noise scale
 def _gaussian_norms(trials, g, sigma_diag, b, rng):

@@ -16,10 +16,6 @@ import torch
 from dpcourse import checkpoint, train
 from dpcourse.launch import RankDiedError, RankError, run_ranks, run_torchrun
 
-# One worker runs this whole module, so that its module-scoped fixture is computed once
-# (pytest -n 2 --dist loadgroup would otherwise compute it on both workers).
-pytestmark = pytest.mark.xdist_group("test_train_cli")
-
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
 TIMEOUT = 240  # seconds for one torchrun job (the machine may be busy)

@@ -19,10 +19,6 @@ from dpcourse.launch import run_ranks
 from dpcourse.memory_measurement import optimizer_state_bytes
 from dpcourse.zero import ShardedOptimizer, owner_of, shard_bounds
 
-# One worker runs this whole module, so that its module-scoped fixture is computed once
-# (pytest -n 2 --dist loadgroup would otherwise compute it on both workers).
-pytestmark = pytest.mark.xdist_group("test_zero")
-
 STEPS = 10
 # Sharded and unsharded runs sum the gradients over the ranks in different orders, so they
 # differ by float32 rounding (~1e-7 per step), which Adam's normalisation can amplify a little.
