@@ -24,7 +24,7 @@ JOBS ?= 2
 XDIST = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # Every notebook under nbval, each cell a test with a time limit (seconds). Each notebook's
 # run_ranks calls keep their ranks for the next call of the same size (DPCOURSE_KEEP_RANKS, up
-# to 4 sizes): starting a rank costs about 2 s of CPU (import torch), most of the run's time.
+# to 8 sizes): starting a rank costs about 2 s of CPU (import torch) on the CI machine.
 CELL_TIMEOUT ?= 600
 NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --timeout=0 --durations=20
 # Where `make notebooks` keeps each notebook as it ran (the websites are rendered from these).
@@ -57,7 +57,7 @@ book: $(STAMP) vendor
 # outputs in _build/executed/, and a notebook whose cells raised gets a .err.log beside it.
 notebooks: $(STAMP)
 	@rm -rf $(EXECUTED)
-	DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=4 $(BIN)/python -m pytest chapters $(NBVAL) \
+	DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python -m pytest chapters $(NBVAL) \
 	  --executed-dir=$(EXECUTED) $(PYTEST_ARGS)
 test-notebooks: notebooks
 
