@@ -16,7 +16,7 @@ def test_launch_benchmark_writes_json(tmp_path, capsys):
     (row,) = record["rows"]
     assert row["world_size"] == 2
     assert row["cold_over_spawn"] == row["run_ranks_cold_s"] / row["torch_spawn_s"] > 0
-    assert "cold/spawn" in capsys.readouterr().out
+    assert "forked/spawn" in capsys.readouterr().out
 
 
 def test_every_benchmark_module_is_found():

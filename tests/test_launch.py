@@ -15,12 +15,15 @@ import pytest
 import torch
 
 from dpcourse import launch
+from dpcourse._launch import forkserver
 from dpcourse.launch import RankDiedError, RankError, RankPool, RankTimeoutError, run_ranks
 
 
 def live_workers(keep: frozenset[int] = frozenset()) -> list[int]:
-    """Pids of this test process's dpcourse worker processes still alive (zombies excluded),
-    from /proc, but those in ``keep`` (the ranks of the session's shared pools)."""
+    """Pids of this test process's dpcourse rank processes still alive (zombies excluded), from
+    /proc, but those in ``keep`` (the ranks of the session's shared pools). A rank is a child of
+    this process running the worker, or a child of this process's fork server."""
+    server = forkserver.server_pid()
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) in keep:
@@ -31,7 +34,8 @@ def live_workers(keep: frozenset[int] = frozenset()) -> list[int]:
         except OSError:
             continue
         state, parent = stat[0], int(stat[1])
-        if b"dpcourse._launch.worker" in cmdline and state != "Z" and parent == os.getpid():
+        spawned = b"dpcourse._launch.worker" in cmdline and parent == os.getpid()
+        if state != "Z" and (spawned or parent == server):
             pids.append(int(entry.name))
     return pids
 
@@ -382,3 +386,80 @@ def test_pool_timeout_then_recovers():
         with pytest.raises(RankTimeoutError):
             pool.run(time.sleep, 600, timeout=1)
         assert pool.run(rank_and_sum, 0)[1] == (1, 2, 1.0)
+
+
+# --------------------------------------------------------------------- how ranks are started
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_ranks_fork_from_the_server_or_start_fresh_as_asked(monkeypatch):
+    # RankPool(5): the session's shared pools (2, 3, 4) are not involved.
+    with RankPool(5) as pool:
+        assert {parent_of(p) for p in pool.pids} == {forkserver.server_pid()}
+        assert pool.run(rank_and_sum, 0)[4] == (4, 5, 10.0)
+    monkeypatch.setenv("DPCOURSE_START_METHOD", "spawn")
+    with RankPool(5) as pool:
+        assert {parent_of(p) for p in pool.pids} == {os.getpid()}
+        assert pool.run(rank_and_sum, 0)[4] == (4, 5, 10.0)
+    monkeypatch.setenv("DPCOURSE_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="'forkserver' or 'spawn'"):
+        forkserver.start_method()
+
+
+def test_forked_ranks_see_the_callers_environment_of_now(monkeypatch):
+    def variables():
+        return os.environ.get("DPCOURSE_TEST_NOTE"), os.environ.get("OMP_SCHEDULE")
+
+    with RankPool(1) as pool:
+        pool.run(os.getpid)  # the server is running now
+    monkeypatch.setenv("DPCOURSE_TEST_NOTE", "set after the server started")
+    with RankPool(1) as pool:
+        assert parent_of(pool.pids[0]) == forkserver.server_pid()  # forked ...
+        assert pool.run(variables) == [("set after the server started", None)]  # ... and sees it
+    # A variable that torch's import reads: a fork would not see it, so the rank is spawned.
+    monkeypatch.setenv("OMP_SCHEDULE", "static")
+    assert forkserver.start_method() == "spawn"
+    with RankPool(1) as pool:
+        assert parent_of(pool.pids[0]) == os.getpid()
+        assert pool.run(variables) == [("set after the server started", "static")]
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_end_when_the_caller_is_killed(tmp_path, method):
+    script = tmp_path / "caller.py"
+    script.write_text(
+        textwrap.dedent("""
+        import time
+        from dpcourse.launch import RankPool
+
+        pool = RankPool(2).start()
+        print("PIDS", *pool.pids, flush=True)
+        time.sleep(600)
+    """)
+    )
+    caller = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, DPCOURSE_START_METHOD=method),
+    )
+    try:
+        line = caller.stdout.readline()
+        assert line.startswith("PIDS"), line
+        pids = [int(p) for p in line.split()[1:]]
+        caller.kill()  # like a notebook kernel that is killed: no clean-up code runs
+        caller.wait(10)
+
+        def alive(pid):
+            try:
+                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + 10
+        while any(map(alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(alive, pids)), "ranks outlived their killed caller"
+    finally:
+        caller.kill()

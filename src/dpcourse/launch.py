@@ -13,7 +13,8 @@ Every multi-process cell of the course goes through :func:`run_ranks`::
 What it guarantees (each is a test in ``tests/test_launch.py``):
 
 * ``fn`` may be defined in a notebook cell or a script's ``__main__``: it travels by value
-  (cloudpickle), and the ranks are fresh interpreters that never re-import the caller;
+  (cloudpickle), and the ranks never re-import the caller (they are forked from a server
+  process that has imported torch and nothing of the caller's);
 * the rendezvous store is hosted by the caller on a port the OS picks, so runs never collide;
 * what a rank prints appears in the caller, prefixed ``[rank r]``;
 * an exception in a rank is raised in the caller as :class:`RankError`, naming the rank, with its
@@ -36,7 +37,7 @@ starts each world size's ranks once per notebook instead of at every cell. No re
 on it: torch seeds every fresh process at random, so code that needs the same numbers on every
 run seeds them itself (the chapters do), in fresh and in kept ranks alike.
 
-The process plumbing (spawning, pipes, the program each rank runs, stack dumps on a timeout)
+The process plumbing (starting ranks, pipes, the program each rank runs, stack dumps on a timeout)
 lives in the private :mod:`dpcourse._launch`. :func:`run_torchrun` runs a script or module under
 ``torchrun`` in a subprocess, for tests and for chapter 8's command-line trainer.
 
@@ -56,7 +57,8 @@ import cloudpickle
 
 from dpcourse import runtime
 from dpcourse._launch.errors import RankDiedError, RankError, RankTimeoutError
-from dpcourse._launch.process import RankProcesses, serialise
+from dpcourse._launch.job import serialise
+from dpcourse._launch.process import RankProcesses
 from dpcourse._launch.torchrun import run_torchrun
 
 __all__ = [

@@ -1,7 +1,8 @@
 """The launcher's private plumbing, behind :mod:`dpcourse.launch` (whose API learners use).
 
-``process``: the rank processes (spawning, pipes, output, killing, stack dumps on a timeout);
-``worker``: the program each rank runs (``python -m dpcourse._launch.worker FD``); ``errors``:
+``process``: the rank processes (starting, pipes, output, killing, stack dumps on a timeout);
+``forkserver``: how one rank starts (forked from a server that has imported torch, or a fresh
+interpreter); ``worker``: the program each rank runs (``serve``); ``errors``:
 ``RankError``, ``RankDiedError``, ``RankTimeoutError`` and how they read; ``torchrun``:
 :func:`~dpcourse._launch.torchrun.run_torchrun`, a script or module under ``torchrun``.
 

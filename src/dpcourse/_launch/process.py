@@ -1,21 +1,19 @@
 """The rank processes behind :class:`dpcourse.launch.RankPool`: starting, output, failures.
 
-:class:`RankProcesses` starts ``world_size`` fresh interpreters running
-:mod:`dpcourse._launch.worker` (each in a session of its own, joined to a ``TCPStore`` that the
-caller hosts on a port the OS picks), forwards what they print with a ``[rank r]`` prefix, waits
+:class:`RankProcesses` starts ``world_size`` ranks running :mod:`dpcourse._launch.worker`
+(forked from a server that has imported torch, or fresh interpreters: see
+:mod:`dpcourse._launch.forkserver`; each in a session of its own, joined to a ``TCPStore`` that
+the caller hosts on a port the OS picks), forwards what they print with a ``[rank r]`` prefix, waits
 for one reply from each, and turns a rank that raised, died or stalled into the error of
 :mod:`dpcourse._launch.errors` (a stalled rank's stack is dumped by ``faulthandler`` on
-``SIGUSR1``). :func:`serialise` packs a job: the function and its arguments by value
-(cloudpickle), the caller's ``sys.path`` and the source lines of notebook cells.
+``SIGUSR1``). What travels to a rank and back is :mod:`dpcourse._launch.job`'s.
 
 Chapter 0: the course-wide launcher's plumbing.
 """
 
 from __future__ import annotations
 
-import linecache
 import os
-import pickle
 import shutil
 import signal
 import socket
@@ -25,7 +23,6 @@ import tempfile
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
@@ -40,6 +37,7 @@ from dpcourse._launch.errors import (
     learner_stack,
     signal_name,
 )
+from dpcourse._launch.forkserver import ForkedRank, start_rank
 
 # After the first rank fails, how long the others get to report their own errors before they are
 # killed (ranks waiting in a collective for the failed one usually fail within milliseconds).
@@ -49,7 +47,7 @@ FAILURE_GRACE = 1.0
 @dataclass
 class _Rank:
     rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedRank
     conn: Connection
     out: int  # read ends of the rank's stdout and stderr pipes (-1 once closed)
     err: int
@@ -108,7 +106,6 @@ class RankProcesses:
             DPCOURSE_BACKEND=self.backend,
             DPCOURSE_THREADS=str(self.threads),
             DPCOURSE_START_TIMEOUT=str(self.start_timeout),
-            DPCOURSE_PARENT_PID=str(os.getpid()),
         )
         if self.threads > 0:
             base_env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
@@ -122,15 +119,7 @@ class RankProcesses:
                     base_env, RANK=str(rank), LOCAL_RANK=str(rank), DPCOURSE_STACK_FILE=stack_file
                 )
                 try:
-                    proc = subprocess.Popen(
-                        [sys.executable, "-m", "dpcourse._launch.worker", str(theirs.fileno())],
-                        pass_fds=(theirs.fileno(),),
-                        stdin=subprocess.DEVNULL,
-                        stdout=out_w,
-                        stderr=err_w,
-                        env=env,
-                        start_new_session=True,  # its own process group: one killpg ends it all
-                    )
+                    proc = start_rank(theirs.fileno(), out_w, err_w, env)
                 finally:
                     theirs.close()
                     os.close(out_w)
@@ -362,38 +351,3 @@ class RankProcesses:
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
-
-
-# ---------------------------------------------------------------------------------- the job
-def _cell_sources(fn: Callable) -> dict[str, list[str]]:
-    """Source lines that a rank cannot read from disk: notebook cells and the like."""
-    wanted = {getattr(getattr(fn, "__code__", None), "co_filename", None)}
-    sources: dict[str, list[str]] = {}
-    total = 0
-    for name, entry in list(linecache.cache.items()):
-        if len(entry) != 4 or not entry[2] or os.path.exists(name):
-            continue
-        if name in wanted or "ipykernel_" in name or name.startswith("<ipython-input"):
-            total += entry[0] or 0
-            if total > 4_000_000:
-                break
-            sources[name] = list(entry[2])
-    return sources
-
-
-def serialise(fn: Callable, args: tuple, kwargs: dict) -> bytes:
-    """The job a rank runs, packed for :mod:`dpcourse._launch.worker`; a ``TypeError`` that says
-    what to pass instead when ``fn`` or its arguments cannot travel."""
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    sys_path = [p for p in sys.path if p and os.path.isdir(p)]
-    try:
-        job = cloudpickle.dumps((fn, args, kwargs))
-        return pickle.dumps((sys_path, _cell_sources(fn), job))
-    except Exception as exc:
-        raise TypeError(
-            f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
-            f"{exc}. "
-            "Pass plain data (tensors, numbers, lists, dicts) and create anything else "
-            "(open files, locks, process groups, CUDA streams) inside the function."
-        ) from exc

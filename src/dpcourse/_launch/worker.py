@@ -1,4 +1,5 @@
-"""What each rank runs under :mod:`dpcourse.launch`: ``python -m dpcourse._launch.worker FD``.
+"""What each rank runs under :mod:`dpcourse.launch`: ``python -m dpcourse._launch.worker FD``,
+or :func:`forked_main` in a rank forked from the fork server (:mod:`dpcourse._launch.forkserver`).
 
 It joins the process group through the store its parent hosts, then serves jobs sent over the
 socket ``FD`` until it is told to stop: each job is ``(fn, args, kwargs)`` serialised by value
@@ -12,77 +13,55 @@ Chapter 0: the course-wide launcher's plumbing.
 from __future__ import annotations
 
 import faulthandler
-import linecache
+import io
 import os
-import pickle
 import signal
 import sys
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection
+
+from dpcourse._launch.job import error_reply, run_job
 
 
 def _watch_parent(parent_pid: int) -> None:
     # The ranks live in their own session (so that the launcher can kill a rank and anything it
     # started in one go); without this they would outlive a crashed or killed notebook kernel.
+    # (A forked rank's parent is the fork server, which exits when the caller does.)
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
             os._exit(70)
 
 
-def _error_reply(exc: BaseException, skip_frames: int) -> tuple:
-    import cloudpickle
-
-    tb = exc.__traceback__
-    for _ in range(skip_frames):  # hide the worker's own frames: the learner's code comes first
-        if tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    try:
-        original = cloudpickle.dumps(exc)
-    except Exception:
-        original = None
-    return ("error", type(exc).__name__, str(exc), text, original)
-
-
-def _run_job(payload: bytes) -> tuple:
-    import cloudpickle
-
-    # The caller's sys.path comes first, so that functions it imported from its own modules
-    # (pickled by reference) import here too.
-    sys_path, sources, job = pickle.loads(payload)
-    for entry in sys_path:
-        if entry not in sys.path:
-            sys.path.append(entry)
-    # Source lines of notebook cells, so that tracebacks show the code; mtime None keeps
-    # linecache.checkcache from dropping entries whose file does not exist here.
-    for name, lines in sources.items():
-        linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-    try:
-        fn, args, kwargs = cloudpickle.loads(job)
-    except BaseException as exc:
-        exc.add_note("(while unpacking the function and arguments sent to this rank)")
-        return _error_reply(exc, 0)
-    try:
-        result = fn(*args, **kwargs)
-    except BaseException as exc:
-        return _error_reply(exc, 1)
-    try:
-        return ("result", cloudpickle.dumps(result))
-    except BaseException as exc:
-        exc.add_note("(the function returned, but its result could not be sent back to the caller)")
-        return _error_reply(exc, 0)
-
-
 def main() -> None:
-    conn = Connection(int(sys.argv[1]))
+    """``python -m dpcourse._launch.worker FD``: a rank as a fresh interpreter."""
+    serve(int(sys.argv[1]))
+
+
+def forked_main(fd: int, stdout: int, stderr: int, env: dict[str, str]) -> None:
+    """A rank forked from the fork server: become what :func:`main` starts as (a session of its
+    own, the launcher's pipes as stdout and stderr, the caller's environment), then serve."""
+    os.setsid()
+    for pipe, target in ((stdout, 1), (stderr, 2)):
+        os.dup2(pipe, target)
+        os.close(pipe)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), "utf-8", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), "utf-8", "backslashreplace", line_buffering=True
+    )
+    os.environ.clear()
+    os.environ.update(env)
+    serve(fd)
+
+
+def serve(fd: int) -> None:
+    """Join the process group, then run the jobs that arrive on the socket ``fd`` until told to
+    stop; never returns."""
+    conn = Connection(fd)
     stack_file = open(os.environ["DPCOURSE_STACK_FILE"], "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    threading.Thread(
-        target=_watch_parent, args=(int(os.environ["DPCOURSE_PARENT_PID"]),), daemon=True
-    ).start()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
 
     import datetime
 
@@ -103,7 +82,7 @@ def main() -> None:
         )
         runtime.init_process_group(os.environ["DPCOURSE_BACKEND"], store=store)
     except BaseException as exc:
-        conn.send(_error_reply(exc, 0))
+        conn.send(error_reply(exc, 0))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
@@ -116,7 +95,7 @@ def main() -> None:
             break
         if message[0] == "stop":
             break
-        reply = _run_job(message[1])
+        reply = run_job(message[1])
         # Output written before the reply must reach the parent before the reply does.
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,7 +1,8 @@
 """``python -m dpcourse.bench launch``: the cost of running a trivial function on N ranks.
 
-``run_ranks`` started cold (start the ranks, join the group, run, tear down) against
-``torch.multiprocessing.spawn`` doing the same, and a run on a warm
+``run_ranks`` started cold (start the ranks, join the group, run, tear down), with ranks forked
+from the fork server (the default) and as fresh interpreters (``DPCOURSE_START_METHOD=spawn``),
+against ``torch.multiprocessing.spawn`` doing the same, and a run on a warm
 :class:`~dpcourse.launch.RankPool`. The introduction and the launcher's docs quote it.
 
 Chapter 0: the course-wide runtime and launcher.
@@ -62,17 +63,32 @@ def _time(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def _time_spawned(fn: Callable[[], object]) -> float:
+    """``_time(fn)`` with run_ranks starting fresh interpreters instead of forking."""
+    before = os.environ.get("DPCOURSE_START_METHOD")
+    os.environ["DPCOURSE_START_METHOD"] = "spawn"
+    try:
+        return _time(fn)
+    finally:
+        if before is None:
+            del os.environ["DPCOURSE_START_METHOD"]
+        else:
+            os.environ["DPCOURSE_START_METHOD"] = before
+
+
 def bench_launch(world_sizes: list[int], repeats: int, warm_repeats: int) -> dict:
     import torch.multiprocessing as mp
 
     from dpcourse.launch import RankPool, run_ranks
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_ranks(_trivial, 1, backend="gloo")  # starts the fork server (once per caller)
     rows = []
     for n in world_sizes:
-        cold, spawn = [], []
-        for _ in range(repeats):  # interleaved, so that drifts in machine load hit both alike
+        cold, cold_spawned, spawn = [], [], []
+        for _ in range(repeats):  # interleaved, so that drifts in machine load hit all alike
             cold.append(_time(lambda n=n: run_ranks(_trivial, n, backend="gloo")))
+            cold_spawned.append(_time_spawned(lambda n=n: run_ranks(_trivial, n, backend="gloo")))
             spawn.append(
                 _time(lambda n=n: mp.spawn(_spawned_rank, args=(n, _free_port()), nprocs=n))
             )
@@ -86,11 +102,13 @@ def bench_launch(world_sizes: list[int], repeats: int, warm_repeats: int) -> dic
         row = {
             "world_size": n,
             "run_ranks_cold_s": statistics.median(cold),
+            "run_ranks_cold_spawned_s": statistics.median(cold_spawned),
             "torch_spawn_s": statistics.median(spawn),
             "pool_first_run_s": first,
             "pool_warm_run_s": statistics.median(warm),
         }
         row["cold_over_spawn"] = row["run_ranks_cold_s"] / row["torch_spawn_s"]
+        row["spawned_over_spawn"] = row["run_ranks_cold_spawned_s"] / row["torch_spawn_s"]
         row["warm_over_cold"] = row["pool_warm_run_s"] / row["run_ranks_cold_s"]
         rows.append(row)
     return {"rows": rows, "repeats": repeats, "warm_repeats": warm_repeats}
@@ -98,16 +116,18 @@ def bench_launch(world_sizes: list[int], repeats: int, warm_repeats: int) -> dic
 
 def report(result: dict) -> None:
     print(
-        f"{'ranks':>5} {'run_ranks cold':>15} {'torch spawn':>12} {'cold/spawn':>11} "
-        f"{'pool warm':>10} {'warm/cold':>10}"
+        f"{'ranks':>5} {'cold, forked':>13} {'cold, fresh':>12} {'torch spawn':>12} "
+        f"{'forked/spawn':>13} {'fresh/spawn':>12} {'pool warm':>10} {'warm/cold':>10}"
     )
     for r in result["rows"]:
         print(
-            f"{r['world_size']:>5} {r['run_ranks_cold_s']:>14.3f}s {r['torch_spawn_s']:>11.3f}s "
-            f"{r['cold_over_spawn']:>10.2f}x {r['pool_warm_run_s'] * 1e3:>8.1f}ms "
-            f"{r['warm_over_cold']:>10.4f}"
+            f"{r['world_size']:>5} {r['run_ranks_cold_s']:>12.3f}s "
+            f"{r['run_ranks_cold_spawned_s']:>11.3f}s {r['torch_spawn_s']:>11.3f}s "
+            f"{r['cold_over_spawn']:>12.2f}x {r['spawned_over_spawn']:>11.2f}x "
+            f"{r['pool_warm_run_s'] * 1e3:>8.1f}ms {r['warm_over_cold']:>10.4f}"
         )
     print(
-        f"(medians of {result['repeats']} cold and {result['warm_repeats']} warm runs; "
+        f"(medians of {result['repeats']} cold and {result['warm_repeats']} warm runs; 'forked': "
+        "run_ranks with ranks forked from its fork server; 'fresh': DPCOURSE_START_METHOD=spawn; "
         "'torch spawn' = torch.multiprocessing.spawn + init_process_group + barrier + destroy)"
     )
