@@ -248,10 +248,12 @@ def test_grading_a_folder(tmp_path, monkeypatch):
     (subs / "e_not_a_notebook.ipynb").write_text("{ this is not json")
     monkeypatch.setenv("SUBMISSIONS", str(subs))
 
-    rows = grading.grade([subs], timeout=120, cell_timeout=10)
+    rows = grading.grade([subs], timeout=120, cell_timeout=10, jobs=3)
     out = tmp_path / "out" / "scores.csv"
     grading.write_csv(rows, out)
     table = {(Path(r["submission"]).stem, r["exercise"]): r for r in csv.DictReader(open(out))}
+    # rows come in the order of the files, whichever finished first
+    assert [Path(r.submission).stem for r in rows] == sorted(Path(r.submission).stem for r in rows)
 
     def status(sub, ex):
         return table[(sub, ex)]["status"], table[(sub, ex)]["message"]

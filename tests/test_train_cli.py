@@ -41,18 +41,39 @@ def logged_losses(output: str) -> list[float]:
     return [float(x) for x in re.findall(r"loss (\d+\.\d+)", output)]
 
 
+def main_with_output(argv: list[str]) -> str:
+    """train.main on a rank, returning what it printed (as torchrun's output would hold it)."""
+    import contextlib
+    import io
+
+    from dpcourse import train
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        train.main(argv)
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def strategy_runs(tmp_path_factory):
     """Every strategy on 2 ranks (single on 1 rank with twice the batch), without clipping, so
-    that all of them train on the same global batches with the same update."""
+    that all of them train on the same global batches with the same update. ddp-torch runs from
+    the command line under torchrun (the crash-and-restart tests compare against it); the others
+    call train.main under run_ranks, on ranks that are already running (a torchrun job starts
+    three fresh interpreters)."""
     base = tmp_path_factory.mktemp("strategies")
     runs = {}
     for strategy in ("manual", "ddp-scratch", "ddp-torch", "zero", "single"):
         nproc, batch = (1, "16") if strategy == "single" else (2, "8")
-        args = [*COMMON, "--batch-size", batch, "--grad-clip", "0"]
-        proc = torchrun(nproc, "--strategy", strategy, *args, "--checkpoint-dir", base / strategy)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        runs[strategy] = (proc.stdout + proc.stderr, final_weights(base / strategy))
+        args = [*COMMON, "--batch-size", batch, "--grad-clip", "0", "--strategy", strategy]
+        args += ["--checkpoint-dir", str(base / strategy)]
+        if strategy == "ddp-torch":
+            proc = torchrun(nproc, *args)
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            output = proc.stdout + proc.stderr
+        else:
+            output = "".join(run_ranks(main_with_output, nproc, args, timeout=TIMEOUT))
+        runs[strategy] = (output, final_weights(base / strategy))
     return runs
 
 

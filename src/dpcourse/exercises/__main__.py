@@ -6,6 +6,7 @@ Chapter 0: the course's tooling (appendix A, the instructor guide, explains it).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -50,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         default=grading.DEFAULT_CELL_TIMEOUT,
         help="seconds for one cell",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=max(1, min(4, os.cpu_count() or 1)),
+        help="submissions graded at once (default: the CPU cores, at most 4)",
+    )
 
     sub.add_parser("list", help="list the exercises that have checks")
     args = parser.parse_args(argv)
@@ -69,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         for nb in notebooks:
             print(f"  {nb}")
     elif args.command == "grade":
-        rows = grading.grade([Path(s) for s in args.submissions], args.timeout, args.cell_timeout)
+        rows = grading.grade(
+            [Path(s) for s in args.submissions], args.timeout, args.cell_timeout, args.jobs
+        )
         grading.write_csv(rows, Path(args.out))
         totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for r in rows:

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -213,18 +214,23 @@ def _grade_one(name: str, content: bytes, timeout: float, cell_timeout: float) -
 
 
 def grade(
-    paths: list[Path], timeout: float = DEFAULT_TIMEOUT, cell_timeout: float = DEFAULT_CELL_TIMEOUT
+    paths: list[Path],
+    timeout: float = DEFAULT_TIMEOUT,
+    cell_timeout: float = DEFAULT_CELL_TIMEOUT,
+    jobs: int = 1,
 ) -> list[GradeRow]:
-    """Grade notebooks (files, or folders of ``*.ipynb``); one row per submission and exercise."""
+    """Grade notebooks (files, or folders of ``*.ipynb``); one row per submission and exercise,
+    in the order of the files. ``jobs`` submissions run at once (each in its own kernel)."""
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive number of submissions at once, got {jobs!r}")
     files: list[Path] = []
     for p in map(Path, paths):
         files += sorted(p.rglob("*.ipynb")) if p.is_dir() else [p]
     # Read everything first: a submission that deletes files cannot take the others with it.
     contents = [(str(f), f.read_bytes()) for f in files]
-    rows: list[GradeRow] = []
-    for name, content in contents:
-        rows += _grade_one(name, content, timeout, cell_timeout)
-    return rows
+    with ThreadPoolExecutor(jobs) as pool:  # threads suffice: each submission is a process
+        graded = pool.map(lambda c: _grade_one(c[0], c[1], timeout, cell_timeout), contents)
+        return [row for rows in graded for row in rows]
 
 
 def write_csv(rows: list[GradeRow], out: Path) -> None:
