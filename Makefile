@@ -18,13 +18,13 @@ PYTEST_ARGS ?=
 # The unit tests run on two workers: rank processes wait on each other often enough that a
 # second test process fills the gaps, even on two cores. Set JOBS=0 to run them in one process.
 # Each test file runs on one worker (loadfile), so that a module-scoped fixture (the trainer's
-# five torchrun runs) is computed once. (loadgroup would not do: with pytest 9, pytest-xdist
+# runs of every strategy) is computed once. (loadgroup would not do: with pytest 9, pytest-xdist
 # 3.8 cannot tag the items of a group, and it silently schedules them one by one.)
 JOBS ?= 2
 XDIST = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # Every notebook under nbval, each cell a test with a time limit (seconds). Each notebook's
 # run_ranks calls keep their ranks for the next call of the same size (DPCOURSE_KEEP_RANKS, up
-# to 8 sizes): starting a rank costs about 2 s of CPU (import torch) on the CI machine.
+# to 8 sizes), although ranks forked from the kernel's fork server start in about 0.1 s.
 CELL_TIMEOUT ?= 600
 NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --timeout=0 --durations=20
 # Where `make notebooks` keeps each notebook as it ran (the websites are rendered from these).
