@@ -19,6 +19,15 @@ from dpcourse._launch import forkserver
 from dpcourse.launch import RankDiedError, RankError, RankPool, RankTimeoutError, run_ranks
 
 
+def proc_state(pid: int | str) -> tuple[str, int] | None:
+    """(state letter, parent pid) of a process from /proc, or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return stat[0], int(stat[1])
+
+
 def live_workers(keep: frozenset[int] = frozenset()) -> list[int]:
     """Pids of this test process's dpcourse rank processes still alive (zombies excluded), from
     /proc, but those in ``keep`` (the ranks of the session's shared pools). A rank is a child of
@@ -30,10 +39,11 @@ def live_workers(keep: frozenset[int] = frozenset()) -> list[int]:
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        state, parent = stat[0], int(stat[1])
+        if (found := proc_state(entry.name)) is None:
+            continue
+        state, parent = found
         spawned = b"dpcourse._launch.worker" in cmdline and parent == os.getpid()
         if state != "Z" and (spawned or parent == server):
             pids.append(int(entry.name))
@@ -390,7 +400,7 @@ def test_pool_timeout_then_recovers():
 
 # --------------------------------------------------------------------- how ranks are started
 def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return proc_state(pid)[1]
 
 
 def test_ranks_fork_from_the_server_or_start_fresh_as_asked(monkeypatch):
@@ -451,10 +461,7 @@ def test_ranks_end_when_the_caller_is_killed(tmp_path):
         caller.wait(10)
 
         def alive(pid):
-            try:
-                return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            except OSError:
-                return False
+            return (proc_state(pid) or ("Z", 0))[0] != "Z"
 
         deadline = time.monotonic() + 10
         while any(map(alive, pids)) and time.monotonic() < deadline:

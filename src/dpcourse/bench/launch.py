@@ -15,6 +15,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from unittest import mock
 
 HELP = "start-up cost of run_ranks, cold and pooled, vs torch.multiprocessing.spawn"
 
@@ -65,15 +66,8 @@ def _time(fn: Callable[[], object]) -> float:
 
 def _time_spawned(fn: Callable[[], object]) -> float:
     """``_time(fn)`` with run_ranks starting fresh interpreters instead of forking."""
-    before = os.environ.get("DPCOURSE_START_METHOD")
-    os.environ["DPCOURSE_START_METHOD"] = "spawn"
-    try:
+    with mock.patch.dict(os.environ, DPCOURSE_START_METHOD="spawn"):
         return _time(fn)
-    finally:
-        if before is None:
-            del os.environ["DPCOURSE_START_METHOD"]
-        else:
-            os.environ["DPCOURSE_START_METHOD"] = before
 
 
 def bench_launch(world_sizes: list[int], repeats: int, warm_repeats: int) -> dict:
