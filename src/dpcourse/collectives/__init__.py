@@ -20,6 +20,11 @@ ours                       torch.distributed                    module
 first send) wherever the backend allows. Their traffic goes through :mod:`.p2p`, which counts it
 (:func:`count_traffic`). None of them calls a library collective, not even to check shapes.
 
+Chapter 10's two-level all-reduce (rings inside nodes and across them, on the same ring code),
+:func:`~dpcourse.collectives.hierarchical.hierarchical_all_reduce`, is imported from
+:mod:`dpcourse.collectives.hierarchical`, not from here: this namespace is chapter 6's, and no
+chapter imports a later one's module (``tests/test_structure.py``).
+
 Chapter 6: the collectives of chapters 5 and 6 in one namespace (the package re-exports both).
 """
 

@@ -122,27 +122,38 @@ def _needs_staging(tensor: torch.Tensor) -> bool:
     return not tensor.is_cpu and dist.get_backend() == "gloo"
 
 
-def send(tensor: torch.Tensor, dst: int) -> None:
+# Every function below takes an optional ``group``: a sub-group made by ``dist.new_group``, in
+# which ``dst`` and ``src`` are ranks *of that group* (chapter 10's hierarchical all-reduce runs
+# rings inside nodes and across them). They are turned into global ranks here, once, so that the
+# traffic log names the same rank whichever group a message went through. Not on the simulated
+# network, which has no sub-groups.
+def _global(peer: int, group: dist.ProcessGroup | None) -> int:
+    return peer if group is None else dist.get_global_rank(group, peer)
+
+
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
     """Blocking send of ``tensor`` to rank ``dst`` (counted)."""
+    dst = _global(dst, group)
     _record("send", dst, tensor)
     if (net := _network()) is not None:
         net.wait(_simulated.rank, net.post_send(_simulated.rank, dst, tensor))
         return
-    dist.send(tensor.cpu() if _needs_staging(tensor) else tensor, dst)
+    dist.send(tensor.cpu() if _needs_staging(tensor) else tensor, dst, group)
 
 
-def recv(tensor: torch.Tensor, src: int) -> None:
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
     """Blocking receive from rank ``src`` into ``tensor`` (counted)."""
+    src = _global(src, group)
     _record("recv", src, tensor)
     if (net := _network()) is not None:
         net.wait(_simulated.rank, net.post_recv(_simulated.rank, src, tensor))
         return
     if _needs_staging(tensor):
         buf = torch.empty_like(tensor, device="cpu")
-        dist.recv(buf, src)
+        dist.recv(buf, src, group)
         tensor.copy_(buf)
     else:
-        dist.recv(tensor, src)
+        dist.recv(tensor, src, group)
 
 
 class Handle:
@@ -171,31 +182,34 @@ _DONE = Handle()  # what posting nothing returns
 Waitable = Handle | dist.Work  # what irecv and isend return: call wait() on it
 
 
-def irecv(tensor: torch.Tensor, src: int) -> Waitable:
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> Waitable:
     """Post a receive from rank ``src`` into ``tensor`` (counted); returns at once.
 
     An empty tensor posts nothing: the sender skips its empty send too.
     """
     if tensor.numel() == 0:
         return _DONE
+    src = _global(src, group)
     _record("recv", src, tensor)
     if (net := _network()) is not None:
         return Handle(ticket=net.post_recv(_simulated.rank, src, tensor))
     if _needs_staging(tensor):
         staged = torch.empty_like(tensor, device="cpu")
-        return Handle(work=dist.irecv(staged, src), staged=staged, target=tensor)
-    return dist.irecv(tensor, src)  # torch's own handle: it has wait() too, and costs nothing more
+        return Handle(work=dist.irecv(staged, src, group), staged=staged, target=tensor)
+    # torch's own handle: it has wait() too, and costs nothing more
+    return dist.irecv(tensor, src, group)
 
 
-def isend(tensor: torch.Tensor, dst: int) -> Waitable:
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> Waitable:
     """Post a send of ``tensor`` to rank ``dst`` (counted); returns at once. Leave ``tensor``
     unchanged until the handle's ``wait()`` returns. An empty tensor sends nothing."""
     if tensor.numel() == 0:
         return _DONE
+    dst = _global(dst, group)
     _record("send", dst, tensor)
     if (net := _network()) is not None:
         return Handle(ticket=net.post_send(_simulated.rank, dst, tensor))
-    return dist.isend(tensor.cpu() if _needs_staging(tensor) else tensor, dst)
+    return dist.isend(tensor.cpu() if _needs_staging(tensor) else tensor, dst, group)
 
 
 def _on_nccl() -> bool:
@@ -215,7 +229,11 @@ def posts_ahead() -> bool:
 
 
 def exchange(
-    send_tensor: torch.Tensor | None, dst: int, recv_tensor: torch.Tensor | None, src: int
+    send_tensor: torch.Tensor | None,
+    dst: int,
+    recv_tensor: torch.Tensor | None,
+    src: int,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Send ``send_tensor`` to ``dst`` while receiving ``recv_tensor`` from ``src``.
 
@@ -224,25 +242,26 @@ def exchange(
     (``dist.batch_isend_irecv``): two separate operations to the same peer (a ring of 2, where
     left and right are the same rank) would queue the receive in front of the send on one
     stream, on both ranks, and hang (NVIDIA/nccl issue 479). Either side may be ``None`` (or
-    empty) to skip it.
+    empty) to skip it. ``group``: ``dst`` and ``src`` are ranks of this sub-group (see above).
     """
     has_recv = recv_tensor is not None and recv_tensor.numel() > 0
     has_send = send_tensor is not None and send_tensor.numel() > 0
     if _on_nccl():
+        dst, src = _global(dst, group), _global(src, group)
         ops = []
         if has_recv:
             _record("recv", src, recv_tensor)
-            ops.append(dist.P2POp(dist.irecv, recv_tensor, src))
+            ops.append(dist.P2POp(dist.irecv, recv_tensor, src, group))
         if has_send:
             _record("send", dst, send_tensor)
-            ops.append(dist.P2POp(dist.isend, send_tensor, dst))
+            ops.append(dist.P2POp(dist.isend, send_tensor, dst, group))
         for work in dist.batch_isend_irecv(ops) if ops else ():
             work.wait()
         return
     handles = []
     if has_recv:
-        handles.append(irecv(recv_tensor, src))
+        handles.append(irecv(recv_tensor, src, group))
     if has_send:
-        handles.append(isend(send_tensor, dst))
+        handles.append(isend(send_tensor, dst, group))
     for handle in handles:
         handle.wait()

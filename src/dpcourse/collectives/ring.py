@@ -80,27 +80,28 @@ def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
 # at 1 MiB the Python around the messages is a good part of the time.
 
 
-def reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int) -> None:
+def reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int, group=None) -> None:
     """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``), one step at
-    a time: afterwards ``chunks[rank]`` is reduced over all ranks (not yet averaged)."""
+    a time: afterwards ``chunks[rank]`` is reduced over all ranks (not yet averaged). With a
+    ``group`` (of N ranks), the ring runs in that sub-group and ``rank`` is this rank's in it."""
     world = len(chunks)
     right, left = (rank + 1) % world, (rank - 1) % world
     incoming = _receive_buffer(chunks[0].numel(), chunks[0])  # chunk 0 is the largest
     for step in range(world - 1):
         sent, received = ring_schedule("reduce-scatter", rank, step, world)
         buf = incoming[: chunks[received].numel()]
-        exchange(chunks[sent], right, buf, left)  # send right while receiving from the left
+        exchange(chunks[sent], right, buf, left, group)  # send right, receive from the left
         combine_(chunks[received], buf, op)
 
 
-def all_gather_(chunks: list[torch.Tensor], rank: int) -> None:
+def all_gather_(chunks: list[torch.Tensor], rank: int, group=None) -> None:
     """Phase 2 in place, one step at a time: rank r starts with ``chunks[r]`` complete and ends
-    with all of them."""
+    with all of them. ``group`` as for :func:`reduce_scatter_`."""
     world = len(chunks)
     right, left = (rank + 1) % world, (rank - 1) % world
     for step in range(world - 1):
         sent, received = ring_schedule("all-gather", rank, step, world)
-        exchange(chunks[sent], right, chunks[received], left)  # straight into its chunk
+        exchange(chunks[sent], right, chunks[received], left, group)  # into its chunk
 
 
 def ring_all_reduce(
