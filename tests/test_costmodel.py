@@ -61,3 +61,14 @@ def test_timing_on_ranks_returns_a_median_per_implementation_and_size():
     for name in commbench.IMPLEMENTATIONS:
         assert len(results[0][name]) == len(sizes)
         assert all(0 < t < 10 for t in results[0][name])
+
+
+def test_fit_link_recovers_latency_and_bandwidth_and_ignores_a_burst():
+    alpha, beta = 1e-4, 125e6
+    sizes = [2**12, 2**16, 2**20, 2**22, 2**24]
+    seconds = [alpha + s / beta for s in sizes]
+    seconds[1] = alpha  # a token bucket let this one through at once
+    got_alpha, got_beta = costmodel.fit_link(sizes, seconds)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_beta == pytest.approx(beta)
+    with pytest.raises(ValueError, match="one message under"):
+        costmodel.fit_link([2**20, 2**22], [0.1, 0.2])

@@ -6,6 +6,11 @@ counts the slowest rank; the result is the median. Bus bandwidth follows nccl-te
 ``algbw = bytes / time`` and ``busbw = algbw * 2(N-1)/N``, which makes a bandwidth-optimal
 all-reduce score the link's bandwidth whatever N is.
 
+:func:`measure_on_cluster` runs the same timing on an emulated cluster
+(:mod:`dpcourse.cluster`), with one link's latency and bandwidth fitted from ping-pong
+messages (:func:`ping_pong_on_rank`), so that each algorithm's time can be set beside the
+alpha-beta model's prediction from the network alone.
+
 Chapter 6: timing the all-reduces side by side on N ranks.
 """
 
@@ -28,6 +33,8 @@ __all__ = [
     "default_sizes",
     "quantile",
     "slowest_rank",
+    "ping_pong_on_rank",
+    "measure_on_cluster",
 ]
 
 IMPLEMENTATIONS = ("library", "ring", "tree", "naive")
@@ -114,3 +121,58 @@ def quantile(times: list[float], q: float) -> float:
 def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> float:
     """nccl-tests' bus bandwidth of an all-reduce, in bytes per second."""
     return size_bytes / seconds * 2 * (world_size - 1) / world_size
+
+
+def ping_pong_on_rank(sizes: list[int], repeats: int = 5) -> list[float]:
+    """Run on every rank: ranks 0 and 1 bounce a message of each size (bytes) back and forth;
+    returns the median one-way seconds per size (half a round trip), the others idle."""
+    rank = dist.get_rank()
+    one_way = []
+    for size in sizes:
+        x = torch.zeros(max(1, size // 4))
+        times = []
+        for _ in range(repeats + 1):  # the first opens the connection: not counted
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            elif rank == 1:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+            times.append((time.perf_counter() - start) / 2)
+        one_way.append(statistics.median(times[1:]))
+    return one_way
+
+
+def measure_on_cluster(
+    nodes: int,
+    link: str,
+    sizes: list[int],
+    names: tuple[str, ...] = ("naive", "tree", "ring"),
+    repeats: int = 5,
+    budget_bytes: int = 2**26,
+) -> dict:
+    """Time the all-reduces ``names`` on ``nodes`` emulated machines, one rank each, joined by
+    links of rate ``link`` (``"1gbit"``), and predict each from the link's fitted alpha-beta.
+
+    Returns ``{"alpha", "beta", "sizes", "measured": {name: [median s]}, "model": {name: [s]}}``
+    (``beta`` in bytes per second). Needs root: :class:`dpcourse.cluster.ClusterUnavailable`
+    says what is missing otherwise. Chapter 6 and ``python -m dpcourse.bench cluster``.
+    """
+    from dpcourse import costmodel
+    from dpcourse.cluster import EmulatedCluster
+    from dpcourse.launch import run_ranks
+
+    with EmulatedCluster(nodes, link=link) as cluster:
+        # a small message for the latency, large ones for the bandwidth (costmodel.fit_link)
+        link_sizes = sorted({2**12, 2**20, 2**22, *sizes})
+        pp = run_ranks(ping_pong_on_rank, nodes, link_sizes, max(repeats, 10), cluster=cluster,
+                       timeout=900)
+        alpha, beta = costmodel.fit_link(link_sizes, pp[0])
+        measured = run_ranks(time_all_reduce_on_rank, nodes, sizes, names, repeats,
+                             budget_bytes, cluster=cluster, timeout=1800)[0]
+    model = {n: [costmodel.all_reduce_time(n, nodes, s, alpha, beta) for s in sizes]
+             for n in names}
+    return {"nodes": nodes, "link": link, "alpha": alpha, "beta": beta, "sizes": sizes,
+            "link_sizes": link_sizes, "ping_pong": pp[0], "measured": measured, "model": model}

@@ -15,7 +15,8 @@ ring        2(N-1) alpha             2(N-1)/N n / beta
 The ring pays the most latency but the least bandwidth, which for large gradients is what
 counts: its bandwidth term does not grow with N. :func:`all_reduce_time` is the model (the one
 definition of the course: chapter 10's step time calls it too); :func:`fit` finds ``alpha`` and
-``beta`` from measured times by least squares.
+``beta`` from measured times by least squares, and :func:`fit_link` finds them for one link
+from point-to-point messages, to predict every algorithm from the network alone.
 
 Chapter 6: the alpha-beta cost model of the all-reduces.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ALGORITHMS", "terms", "all_reduce_time", "Fit", "fit"]
+__all__ = ["ALGORITHMS", "terms", "all_reduce_time", "Fit", "fit", "fit_link"]
 
 ALGORITHMS = ("naive", "tree", "ring")
 
@@ -99,3 +100,28 @@ def fit(
     alpha = max(float(alpha), 0.0)
     inv_beta = max(float(inv_beta), 1e-15)
     return Fit(algorithm, world_size, alpha, 1.0 / inv_beta)
+
+
+def fit_link(
+    sizes_bytes: Sequence[float], seconds: Sequence[float], large: float = 2**20
+) -> tuple[float, float]:
+    """``(alpha, beta)`` of one link from one-way message times (``alpha + n / beta``).
+
+    ``beta`` is the slope of the times of the messages of at least ``large`` bytes (least
+    squares), where the latency is lost in the noise; ``alpha`` is what the smallest message
+    took beyond its bytes, which is nearly all latency. (Fitting both to every point at once
+    would let the small messages, which a token-bucket link lets through at once, bend the
+    slope.) Chapter 6 fits them on the emulated cluster's links and predicts each all-reduce
+    from them."""
+    sizes = np.asarray(sizes_bytes, dtype=float)
+    t = np.asarray(seconds, dtype=float)
+    big = sizes >= large
+    if sizes.shape != t.shape or big.sum() < 2 or sizes.min() >= large:
+        raise ValueError(
+            f"need one message under {large:g} bytes and two or more of at least that, with "
+            "a time for each"
+        )
+    slope = np.polyfit(sizes[big], t[big], 1)[0]
+    beta = 1.0 / max(float(slope), 1e-15)
+    smallest = int(np.argmin(sizes))
+    return max(float(t[smallest] - sizes[smallest] / beta), 0.0), beta

@@ -88,6 +88,20 @@ def _check_arguments(world_size: int, backend: str) -> None:
         raise ValueError(f"backend must be 'auto', 'gloo', 'nccl' or 'mpi', got {backend!r}")
 
 
+def _pool_backend(world_size: int, backend: str, cluster) -> str:
+    """The backend a pool of ``world_size`` ranks uses (on an emulated cluster: gloo, whose
+    traffic goes through the nodes' network interfaces)."""
+    if cluster is None:
+        return runtime.choose_backend(world_size) if backend == "auto" else backend
+    cluster.check_world_size(world_size)
+    if backend not in ("auto", "gloo"):
+        raise ValueError(
+            f"backend={backend!r} on an emulated cluster: its links carry gloo's traffic only "
+            "(NCCL would bypass them); use backend='gloo' or 'auto'"
+        )
+    return "gloo"
+
+
 class RankPool:
     """``world_size`` ranks kept alive between runs, with the default process group initialised.
 
@@ -97,7 +111,9 @@ class RankPool:
     ones on the next run, since a failed collective can leave the process group unusable.
 
     ``threads`` is the intra-op thread count of each rank (1 keeps N ranks from fighting over the
-    cores); ``prefix_output`` marks each line a rank prints with ``[rank r]``.
+    cores); ``prefix_output`` marks each line a rank prints with ``[rank r]``. With ``cluster``
+    (a started :class:`dpcourse.cluster.EmulatedCluster` of ``world_size`` ranks) each rank runs
+    inside its node's network namespace, over gloo; the pool closes with the cluster.
     """
 
     def __init__(
@@ -108,10 +124,12 @@ class RankPool:
         threads: int = 1,
         start_timeout: float = DEFAULT_START_TIMEOUT,
         prefix_output: bool = True,
+        cluster=None,
     ):
         _check_arguments(world_size, backend)
         self.world_size = world_size
-        self.backend = runtime.choose_backend(world_size) if backend == "auto" else backend
+        self.cluster = cluster
+        self.backend = _pool_backend(world_size, backend, cluster)
         if self.backend == "nccl":
             runtime.device_for_rank(0, world_size, "nccl")  # clear error if GPUs are missing
         self.threads = threads
@@ -141,6 +159,8 @@ class RankPool:
             if not self._registered:
                 with _open_pools_lock:
                     _open_pools.append(self)
+                if self.cluster is not None:
+                    self.cluster._pools.append(self)  # closed when the cluster closes
                 self._registered = True
             if self._procs is None and not lazy:
                 self._spawn()
@@ -156,6 +176,8 @@ class RankPool:
                 with _open_pools_lock:
                     if self in _open_pools:
                         _open_pools.remove(self)
+                if self.cluster is not None and self in self.cluster._pools:
+                    self.cluster._pools.remove(self)
                 self._registered = False
 
     def __enter__(self) -> RankPool:
@@ -194,7 +216,12 @@ class RankPool:
 
     def _spawn(self) -> None:
         procs = RankProcesses(
-            self.world_size, self.backend, self.threads, self.start_timeout, self.prefix_output
+            self.world_size,
+            self.backend,
+            self.threads,
+            self.start_timeout,
+            self.prefix_output,
+            self.cluster,
         )
         procs.start()  # kills what it started if the ranks do not all join
         self._procs = procs
@@ -211,6 +238,7 @@ def run_ranks(
     *args: Any,
     backend: str = "auto",
     timeout: float = DEFAULT_TIMEOUT,
+    cluster=None,
     **kwargs: Any,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
@@ -226,23 +254,27 @@ def run_ranks(
     counted); no rank outlives a failed run. If a :class:`RankPool` with the same world size and
     backend is open, the run uses its ranks; otherwise ranks are started and stopped for this
     call alone (or kept for the next call, under ``DPCOURSE_KEEP_RANKS``: see the module's
-    docstring). Used in every multi-process chapter (5 onwards) and by the tests.
+    docstring). ``cluster``: run the ranks on the nodes of a started
+    :class:`dpcourse.cluster.EmulatedCluster` (node-major; ``world_size`` must fill it). Used in
+    every multi-process chapter (5 onwards) and by the tests.
     """
     _check_arguments(world_size, backend)  # before looking for a pool: 2.0 is no world size
-    pool_backend = runtime.choose_backend(world_size) if backend == "auto" else backend
+    pool_backend = _pool_backend(world_size, backend, cluster)
     with _open_pools_lock:
         pool = next(
             (
                 p
                 for p in reversed(_open_pools)
-                if p.world_size == world_size and p.backend == pool_backend
+                if p.world_size == world_size
+                and p.backend == pool_backend
+                and p.cluster is cluster
             ),
             None,
         )
     if pool is not None:
         return pool.run(fn, *args, timeout=timeout, **kwargs)
     payload = serialise(fn, args, kwargs)  # fails on unpicklable input before any start-up
-    pool = RankPool(world_size, backend)
+    pool = RankPool(world_size, backend, cluster=cluster)
     if _kept_pools_limit() > 0:
         _keep(pool)
         return pool._run_payload(payload, timeout)

@@ -42,6 +42,9 @@ from dpcourse._launch.forkserver import ForkedRank, start_rank
 # After the first rank fails, how long the others get to report their own errors before they are
 # killed (ranks waiting in a collective for the failed one usually fail within milliseconds).
 FAILURE_GRACE = 1.0
+# A warning c10d prints for each connection from an address without a host name, as those of
+# an EmulatedCluster's nodes are; dropped from the ranks' output on a cluster.
+_UNNAMED_PEER = "The hostname of the client socket cannot be retrieved"
 
 
 @dataclass
@@ -65,8 +68,10 @@ class RankProcesses:
         threads: int,
         start_timeout: float,
         prefix_output: bool,
+        cluster=None,
     ):
         self.world_size = world_size
+        self.cluster = cluster  # an EmulatedCluster: each rank runs inside its node
         self.backend = backend
         self.threads = threads
         self.start_timeout = start_timeout
@@ -109,15 +114,16 @@ class RankProcesses:
         )
         if self.threads > 0:
             base_env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        node_environment = self.cluster.rank_environment if self.cluster else lambda rank: {
+            "LOCAL_RANK": str(rank)}
         try:
             for rank in range(self.world_size):
                 ours, theirs = socket.socketpair()
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
                 stack_file = os.path.join(self._tmpdir, f"stack-{rank}.txt")
-                env = dict(
-                    base_env, RANK=str(rank), LOCAL_RANK=str(rank), DPCOURSE_STACK_FILE=stack_file
-                )
+                env = dict(base_env, RANK=str(rank), DPCOURSE_STACK_FILE=stack_file)
+                env.update(node_environment(rank))
                 try:
                     proc = start_rank(theirs.fileno(), out_w, err_w, env)
                 finally:
@@ -169,6 +175,9 @@ class RankProcesses:
     def _emit(self, rank: _Rank, is_err: bool, data: bytes) -> None:
         text = data.decode("utf-8", "replace")
         lines = text.splitlines()
+        if self.cluster is not None:  # c10d cannot look up the emulated nodes' names: harmless
+            lines = [line for line in lines if _UNNAMED_PEER not in line]
+            text = "".join(line + "\n" for line in lines)
         if is_err:
             rank.tail.extend(lines)
         if self.prefix_output:

@@ -55,6 +55,26 @@ def forked_main(fd: int, stdout: int, stderr: int, env: dict[str, str]) -> None:
     serve(fd)
 
 
+def _enter_network_namespace(path: str) -> None:
+    """Move this process into the network namespace at ``path`` (a node of
+    :class:`dpcourse.cluster.EmulatedCluster`), before it opens any socket or thread that
+    talks to the network: threads started afterwards (gloo's) inherit the namespace."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python 3.12+
+            os.setns(fd, os.CLONE_NEWNET)
+            return
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot enter the network namespace {path}: "
+                          f"{os.strerror(errno)}")
+    finally:
+        os.close(fd)
+
+
 def serve(fd: int) -> None:
     """Join the process group, then run the jobs that arrive on the socket ``fd`` until told to
     stop; never returns."""
@@ -74,6 +94,8 @@ def serve(fd: int) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     try:
+        if os.environ.get("DPCOURSE_NETNS"):
+            _enter_network_namespace(os.environ["DPCOURSE_NETNS"])
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
