@@ -35,3 +35,10 @@ def test_allreduce_benchmark_prints_ratios(tmp_path, capsys):
     for r in record["rows"]:
         assert r["library_over_library"] == 1.0 and r["ring_over_library"] > 0
     assert "ring/lib" in capsys.readouterr().out
+
+
+def test_recorded_results_are_found_with_their_machine_and_date():
+    record = bench.recorded("cluster-4")
+    assert record["command"].startswith("python -m dpcourse.bench cluster")
+    assert record["date"] and record["machine"]["cpus"] >= 1
+    assert bench.recorded("no-such-benchmark") is None

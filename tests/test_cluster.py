@@ -206,3 +206,13 @@ def test_bench_cluster_sets_each_algorithm_beside_the_model(tmp_path, capsys):
     for name in ("naive", "tree", "ring"):
         assert len(record["measured"][name]) == len(record["model"][name]) == 2
     assert "ring speed-up over naive" in capsys.readouterr().out
+
+
+@needs_cluster
+def test_bench_hierarchical_sets_flat_and_two_level_beside_the_model(capsys):
+    from dpcourse import bench
+
+    assert bench.main(["hierarchical", "--sizes", "1048576", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 emulated nodes x 2 ranks; between nodes 400mbit" in out
+    assert "flat ring (model)" in out and "two-level (model)" in out

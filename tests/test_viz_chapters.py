@@ -208,3 +208,15 @@ def test_steps_to_target_plot_fit_and_tradeoff_curve():
     assert np.allclose((ratio - 1) * (examples - 1), 1)  # (S/S_min - 1)(E/E_min - 1) = 1
     assert [t.get_text() for t in ax2.texts] == ["1", "4", "16", "64"]  # a batch size per point
     assert list(ax2.lines[1].get_xdata()) == pytest.approx([20, 6, 2.2, 1.3])
+
+
+def test_two_level_plot_has_bars_per_algorithm_and_the_model_as_ticks():
+    result = {"sizes": [2**20, 2**22], "measured": {"flat ring": [0.03, 0.12],
+              "two-level": [0.02, 0.09]}, "model": {"flat ring": [0.03, 0.13],
+              "two-level": [0.02, 0.09]}}
+    fig = viz_scaling.plot_two_level(result, "made up")
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1 MiB", "4 MiB"]
+    assert len(ax.patches) == 4 and ax.get_yscale() == "log"
+    assert set(legend(ax)) == {"alpha-beta model (fitted links)", "flat ring, measured",
+                               "two-level, measured"}

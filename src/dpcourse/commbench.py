@@ -65,11 +65,14 @@ def time_all_reduce_on_rank(
     names: tuple[str, ...] = IMPLEMENTATIONS,
     repeats: int = 10,
     budget_bytes: int = 2**28,
+    implementations: dict | None = None,
 ) -> dict[str, list[float]]:
     """Run on every rank (with :func:`dpcourse.launch.run_ranks`): median seconds per all-reduce
     for each implementation and size (float32). Large sizes get fewer repetitions, so that each
-    size moves at most about ``budget_bytes`` per implementation (at least 3 repetitions)."""
-    samples = all_reduce_samples_on_rank(sizes, names, repeats, budget_bytes)
+    size moves at most about ``budget_bytes`` per implementation (at least 3 repetitions).
+    ``implementations`` maps other names to in-place all-reduce functions (chapter 10 times
+    its two-level all-reduce so)."""
+    samples = all_reduce_samples_on_rank(sizes, names, repeats, budget_bytes, implementations)
     return {n: [statistics.median(ts) for ts in samples[n]] for n in names}
 
 
@@ -78,11 +81,13 @@ def all_reduce_samples_on_rank(
     names: tuple[str, ...] = IMPLEMENTATIONS,
     repeats: int = 10,
     budget_bytes: int = 2**28,
+    implementations: dict | None = None,
 ) -> dict[str, list[list[float]]]:
     """Like :func:`time_all_reduce_on_rank`, but every repetition's time (of the slowest rank):
     ``result[name][i]`` lists the times of size ``sizes[i]``."""
     device = runtime.device()
-    fns = {n: _implementation(n) for n in names}
+    given = implementations or {}
+    fns = {n: given[n] if n in given else _implementation(n) for n in names}
     samples: dict[str, list[list[float]]] = {n: [] for n in names}
     for size in sizes:
         x = torch.ones(size // 4, device=device)
@@ -123,9 +128,9 @@ def bus_bandwidth(size_bytes: float, seconds: float, world_size: int) -> float:
     return size_bytes / seconds * 2 * (world_size - 1) / world_size
 
 
-def ping_pong_on_rank(sizes: list[int], repeats: int = 5) -> list[float]:
-    """Run on every rank: ranks 0 and 1 bounce a message of each size (bytes) back and forth;
-    returns the median one-way seconds per size (half a round trip), the others idle."""
+def ping_pong_on_rank(sizes: list[int], repeats: int = 5, peer: int = 1) -> list[float]:
+    """Run on every rank: ranks 0 and ``peer`` bounce a message of each size (bytes) back and
+    forth; returns the median one-way seconds per size (half a round trip), the others idle."""
     rank = dist.get_rank()
     one_way = []
     for size in sizes:
@@ -135,9 +140,9 @@ def ping_pong_on_rank(sizes: list[int], repeats: int = 5) -> list[float]:
             dist.barrier()
             start = time.perf_counter()
             if rank == 0:
-                dist.send(x, 1)
-                dist.recv(x, 1)
-            elif rank == 1:
+                dist.send(x, peer)
+                dist.recv(x, peer)
+            elif rank == peer:
                 dist.recv(x, 0)
                 dist.send(x, 0)
             times.append((time.perf_counter() - start) / 2)

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from dpcourse.noise_scale import tradeoff_examples
 
 __all__ = ["plot_weak_scaling", "plot_weak_vs_strong", "plot_gradient_variants",
-           "plot_measured_scaling", "plot_steps_to_target"]
+           "plot_measured_scaling", "plot_steps_to_target", "plot_two_level"]
 
 
 def _gpu_axis(ax: Axes, world_sizes: Sequence[int], target: float | None = 0.9) -> None:
@@ -142,7 +142,7 @@ def plot_steps_to_target(
     (dots), the fit ``S_min (1 + B_crit / B)`` (a line) and ``B_crit`` (dashed). Right: the
     trade-off curve ``(S/S_min - 1)(E/E_min - 1) = 1`` of
     :func:`~dpcourse.noise_scale.tradeoff_examples` and the measured points scaled by the fit,
-    each labelled with its batch size. Chapter 10, section 10.7."""
+    each labelled with its batch size. Chapter 10, section 10.8."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
     bs = np.array(batches, dtype=float)
     grid = np.logspace(0, np.log10(batches[-1]), 100)
@@ -164,4 +164,27 @@ def plot_steps_to_target(
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    return fig
+
+
+def plot_two_level(result: Mapping, title: str) -> Figure:
+    """Bars of the measured flat ring and two-level all-reduce per message size, the model's
+    times as black ticks on them; ``result`` as :func:`dpcourse.bench.hierarchical.
+    measure_two_level` returns it (or its recorded JSON). Chapter 10, section 10.7."""
+    names = ["flat ring", "two-level"]
+    sizes = result["sizes"]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = np.arange(len(sizes))
+    for j, name in enumerate(names):
+        at = x + (j - 0.5) * 0.38
+        measured = np.array(result["measured"][name]) * 1e3
+        ax.bar(at, measured, 0.36, label=f"{name}, measured", color=f"C{j}")
+        ax.scatter(at, np.array(result["model"][name]) * 1e3, marker="_", s=600, color="black",
+                   zorder=3, label="alpha-beta model (fitted links)" if j == 0 else None)
+    ax.set_xticks(x, [f"{s / 2**20:g} MiB" for s in sizes])
+    ax.set_yscale("log")
+    ax.set_ylabel("all-reduce time (ms)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
     return fig

@@ -20,11 +20,23 @@ import json
 import pkgutil
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from types import ModuleType
 
 from dpcourse import runtime
 
-__all__ = ["benchmarks", "main"]
+__all__ = ["benchmarks", "main", "recorded"]
+
+# Results recorded with --json, kept in the repository next to src/ (see benchmarks/README.md).
+RECORDED = Path(__file__).resolve().parents[3] / "benchmarks"
+
+
+def recorded(name: str, machine: str = "cpu-2core") -> dict | None:
+    """The recorded result ``benchmarks/<machine>/<name>.json`` (with its ``machine``, ``date``
+    and ``command``), or None where it is not there (the package installed without the
+    repository). Chapters show it where they cannot measure, labelled as recorded."""
+    path = RECORDED / machine / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def benchmarks() -> dict[str, ModuleType]:
