@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from dpcourse import checkpoint, train
-from dpcourse.launch import RankDiedError, RankError, run_ranks, run_torchrun
+from dpcourse.launch import (
+    RankDiedError,
+    RankError,
+    run_ranks,
+    run_torchrun,
+    run_torchrun_on_cluster,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -235,3 +241,32 @@ def test_sbatch_torchrun_command_line_parses():
 def test_the_trainer_loads_chapter_9_only_for_the_zero_strategy():
     code = "import sys, dpcourse.train; assert 'dpcourse.zero' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _cluster_missing() -> str:
+    from dpcourse.cluster import ClusterUnavailable, check_available
+
+    try:
+        check_available()
+    except ClusterUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(_cluster_missing()), reason=_cluster_missing() or "-")
+def test_two_torchrun_agents_on_two_emulated_nodes_train_as_one_node_does():
+    """As `srun torchrun ...` on two machines: an agent per node, a c10d rendezvous over the
+    (emulated) network, one rank per node; the weights end as those of two ranks on one node."""
+    from dpcourse.cluster import EmulatedCluster
+
+    args = [*COMMON, "--strategy", "ddp-scratch"]
+    with EmulatedCluster(2, link="1gbit") as cluster:
+        procs = run_torchrun_on_cluster("dpcourse.train", cluster, args, module=True,
+                                        timeout=TIMEOUT)
+    for node, proc in enumerate(procs):
+        assert proc.returncode == 0, f"node {node}:\n{proc.stdout}\n{proc.stderr}"
+    done = re.search(r"replicas identical on 2 rank\(s\) \(weights (\w+)\)", procs[0].stdout)
+    assert done, procs[0].stdout
+    one_node = run_ranks(main_with_output, 2, args)[0]
+    assert f"(weights {done[1]})" in one_node, one_node

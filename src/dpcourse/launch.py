@@ -41,7 +41,8 @@ run seeds them itself (the chapters do), in fresh and in kept ranks alike.
 
 The process plumbing (starting ranks, pipes, the program each rank runs, stack dumps on a timeout)
 lives in the private :mod:`dpcourse._launch`. :func:`run_torchrun` runs a script or module under
-``torchrun`` in a subprocess, for tests and for chapter 8's command-line trainer.
+``torchrun`` in a subprocess, for tests and for chapter 8's command-line trainer, and
+:func:`run_torchrun_on_cluster` one torchrun agent per node of an emulated cluster (chapter 8).
 
 Chapter 0: the course-wide runtime and launcher.
 """
@@ -61,7 +62,7 @@ from dpcourse import runtime
 from dpcourse._launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse._launch.job import serialise
 from dpcourse._launch.process import RankProcesses
-from dpcourse._launch.torchrun import run_torchrun
+from dpcourse._launch.torchrun import run_torchrun, run_torchrun_on_cluster
 
 __all__ = [
     "run_ranks",
@@ -70,6 +71,7 @@ __all__ = [
     "RankDiedError",
     "RankTimeoutError",
     "run_torchrun",
+    "run_torchrun_on_cluster",
 ]
 
 DEFAULT_TIMEOUT = 120.0
