@@ -64,3 +64,85 @@ def test_bytes_per_rank_plot_has_a_dot_series_and_a_line_per_algorithm():
     assert labels == ["ring (counted)", "naive (counted)"]
     plt.close(fig)
     assert not plt.get_fignums()
+
+
+# Section 6.7: the all-reduces over emulated links, on made-up runs as measure_on_cluster returns
+def made_up_cluster_runs(slower: float = 1.1) -> dict:
+    from dpcourse import costmodel
+
+    sizes, alpha, beta = [2**16, 2**20, 2**22], 2e-4, 1.2e8
+    runs = {}
+    for n in (2, 4, 8):
+        model = {name: [costmodel.all_reduce_time(name, n, s, alpha, beta) for s in sizes]
+                 for name in ("naive", "tree", "ring")}
+        runs[n] = {"nodes": n, "link": "1gbit", "alpha": alpha, "beta": beta, "sizes": sizes,
+                   "model": model,
+                   "measured": {name: [t * slower for t in ts] for name, ts in model.items()}}
+    return runs
+
+
+def test_cluster_plot_shows_time_and_bus_bandwidth_against_n_measured_and_modelled():
+    import matplotlib.pyplot as plt
+
+    from dpcourse import viz_cluster
+
+    runs = made_up_cluster_runs()
+    fig = viz_cluster.plot_cluster_runs(runs, "made up")
+    ax1, ax2 = fig.axes
+    assert "emulated 1 Gbit/s links" in fig._suptitle.get_text()
+    assert "made up" in fig._suptitle.get_text()
+    assert ax1.get_yscale() == "log" and "4 MiB" in ax1.get_title()
+    for ax in (ax1, ax2):
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["2", "4", "8"]
+        assert len([line for line in ax.lines if line.get_marker() == "o"]) == 3  # measured
+    labels = [t.get_text() for t in ax1.get_legend().get_texts()]
+    assert labels == ["naive", "tree", "ring", "measured",
+                      "alpha-beta model (alpha, beta fitted from ping-pong)"]
+    # the ring's modelled bus bandwidth stays near the link, the naive one's falls as beta / N
+    ring_model = [line for line in ax2.lines if line.get_color() == "C2" and
+                  line.get_linestyle() == "-"][0]
+    busbw = ring_model.get_ydata()
+    assert all(0.8 < b < 0.97 for b in busbw)  # Gbit/s: 0.96 less the latencies
+    naive_dots = [line for line in ax2.lines if line.get_color() == "C0" and
+                  line.get_marker() == "o"][0].get_ydata()
+    assert naive_dots[0] / naive_dots[-1] > 3
+    plt.close(fig)
+    assert not plt.get_fignums()
+
+
+def test_model_errors_and_the_table_flag_what_is_off():
+    from dpcourse import viz_cluster
+
+    runs = made_up_cluster_runs(slower=1.1)
+    runs[8]["measured"]["tree"][-1] *= 1.2  # 32 % over the model at 4 MiB on 8 nodes
+    errors = viz_cluster.model_errors(runs, smallest=2**20)
+    assert len(errors) == 3 * 3 * 2
+    assert {(n, name, size) for n, name, size, _ in errors} == {
+        (n, name, size) for n in (2, 4, 8) for name in ("naive", "tree", "ring")
+        for size in (2**20, 2**22)}
+    off = [(n, name, size) for n, name, size, e in errors if abs(e) > 0.2]
+    assert off == [(8, "tree", 2**22)]
+    assert all(abs(e - 0.1) < 1e-9 for n, name, size, e in errors if (n, name, size) not in off)
+    table = viz_cluster.cluster_table(runs)
+    assert table.count("*") == 1 + 1  # the one case, and the footnote
+    assert "64 KiB" in table and "+32 %*" in table and "8 nodes: alpha 200 us" in table
+
+
+def test_recorded_runs_are_read_with_where_and_when_they_were_recorded(tmp_path, monkeypatch):
+    import json
+
+    from dpcourse import bench, viz_cluster
+
+    recorded = tmp_path / "benchmarks" / "cpu-2core"
+    recorded.mkdir(parents=True)
+    machine = {"cpus": 2, "gpus": [], "torch_version": "2.0"}
+    for n, run in made_up_cluster_runs().items():
+        (recorded / f"ch6-cluster-{n}.json").write_text(json.dumps(
+            {**run, "machine": machine, "date": "2026-01-02T03:04:05+00:00"}))
+    monkeypatch.setattr(bench, "RECORDED", tmp_path / "benchmarks")
+    runs, source = viz_cluster.recorded_runs((2, 4, 8))
+    assert sorted(runs) == [2, 4, 8] and runs[8]["nodes"] == 8
+    assert source == ("recorded on 2 CPU cores, no GPU, torch 2.0, 2026-01-02 "
+                      "(not measured in this build)")
+    runs, source = viz_cluster.recorded_runs((2, 3))  # no ch6-cluster-3.json
+    assert runs == {} and "for N in [3] is not next to" in source

@@ -172,7 +172,7 @@ def measure_on_cluster(
     with EmulatedCluster(nodes, link=link) as cluster:
         # a small message for the latency, large ones for the bandwidth (costmodel.fit_link)
         link_sizes = sorted({2**12, 2**20, 2**22, *sizes})
-        pp = run_ranks(ping_pong_on_rank, nodes, link_sizes, max(repeats, 10), cluster=cluster,
+        pp = run_ranks(ping_pong_on_rank, nodes, link_sizes, max(repeats, 5), cluster=cluster,
                        timeout=900)
         alpha, beta = costmodel.fit_link(link_sizes, pp[0])
         measured = run_ranks(time_all_reduce_on_rank, nodes, sizes, names, repeats,
