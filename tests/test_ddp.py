@@ -315,6 +315,12 @@ def misuse_on_rank() -> dict[str, str]:
     wrapped.finish_gradient_synchronization()  # still usable: every bucket is sent and waited for
     found["after recovery"] = message(lambda: F.mse_loss(wrapped(x), y).backward())
     wrapped.finish_gradient_synchronization()
+    # torch's DDP takes None for its default cap; so does ours
+    sizes = [[p.numel() for p in b.params] for b in ddp.DDP(models.MLP()).reducer.buckets]
+    found["cap None"] = sizes == [
+        [p.numel() for p in b.params]
+        for b in ddp.DDP(models.MLP(), bucket_cap_mb=None).reducer.buckets
+    ]
     return found
 
 
@@ -327,6 +333,7 @@ def test_misuse_gives_clear_errors():
         assert "call ddp.finish_gradient_synchronization()" in f["forward before finish"]
         assert "received its gradient twice" in f["backward twice"]
         assert f["after recovery"] == "no error"
+        assert f["cap None"] is True
 
 
 def test_errors_without_a_process_group_or_on_several_devices():
@@ -345,6 +352,8 @@ def test_errors_without_a_process_group_or_on_several_devices():
         ddp.DDP(model)
     with pytest.raises(ValueError, match="bucket_cap_mb must be 0 or more"):
         ddp.DDP(models.MLP(), bucket_cap_mb=-1)
+    with pytest.raises(TypeError, match="bucket_cap_mb must be a number of MiB .or None: 25."):
+        ddp.DDP(models.MLP(), bucket_cap_mb="25")
     with pytest.raises(TypeError, match="wraps an nn.Module"):
         ddp.DDP(lambda x: x)
 

@@ -198,10 +198,11 @@ class DDP(nn.Module):
 
     ``DDP(module)`` broadcasts rank 0's parameters and buffers, then puts the gradients of the
     parameters that require one into buckets of at most ``bucket_cap_mb`` MiB (reverse
-    registration order; ``0`` gives one bucket per parameter). During backward a hook per
-    parameter moves its gradient into its bucket; with ``overlap=True`` a full bucket's
-    all-reduce starts at once, asynchronously, while backward goes on; with ``overlap=False``
-    every bucket is sent after backward. Gradients are averaged over the ranks.
+    registration order; ``0`` gives one bucket per parameter, ``None`` torch's default of 25).
+    During backward a hook per parameter moves its gradient into its bucket; with
+    ``overlap=True`` a full bucket's all-reduce starts at once, asynchronously, while backward
+    goes on; with ``overlap=False`` every bucket is sent after backward. Gradients are averaged
+    over the ranks.
 
     A training step::
 
@@ -220,11 +221,16 @@ class DDP(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = 25.0,
         overlap: bool = True,
         broadcast_buffers: bool = True,
     ) -> None:
         super().__init__()
+        if bucket_cap_mb is None:  # as torch's DDP: its default cap
+            bucket_cap_mb = 25.0
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+            raise TypeError(f"bucket_cap_mb must be a number of MiB (or None: 25), got "
+                            f"{bucket_cap_mb!r}")
         if not bucket_cap_mb >= 0:
             raise ValueError(f"bucket_cap_mb must be 0 or more, got {bucket_cap_mb}")
         device = _check_module(module, "DDP")
