@@ -89,10 +89,13 @@ def compare(what: str, got: dict, want: dict, failures: list, rtol=RTOL, atol=AT
     return worst
 
 
-def train_plain(make, kind: str, options=None, set_to_none=True) -> tuple[dict, nn.Module]:
+def train_plain(
+    make, kind: str, options=None, set_to_none=True, by_hand=True
+) -> tuple[dict, nn.Module]:
     """STEPS SGD steps on this rank's shards; the model was seeded differently on every rank.
     With ``set_to_none=False`` DDP's gradients stay views of its buckets between steps, and
-    autograd accumulates straight into them."""
+    autograd accumulates straight into them. ``by_hand=False``: a torch-style loop, with no
+    finish_gradient_synchronization() between backward and step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(100 + rank)
     model = make(rank)
@@ -102,7 +105,8 @@ def train_plain(make, kind: str, options=None, set_to_none=True) -> tuple[dict, 
         loss = F.mse_loss(wrapped(x), y)
         opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
-        finish()
+        if by_hand:
+            finish()
         opt.step()
     return params_of(model), wrapped
 
@@ -267,6 +271,17 @@ def check_buffers_like_torch(failures: list, worst: dict) -> None:
     )
 
 
+def check_torch_style_loop(failures: list, worst: dict) -> None:
+    """`loss.backward(); opt.step()` with nothing between, as a torch DDP user writes it: the
+    end of backward has synchronised the gradients, overlapped or not."""
+    want = reference_plain(lambda rank: models.MLP())
+    for overlap in (True, False):
+        got, _ = train_plain(lambda rank: models.MLP(), "DDP", dict(overlap=overlap),
+                             by_hand=False)
+        worst[f"torch-style loop, overlap={overlap}"] = compare(
+            f"DDP in a torch-style loop, overlap={overlap}", got, want, failures)
+
+
 def equivalence_on_rank() -> tuple[list[str], dict]:
     failures: list[str] = []
     worst: dict[str, float] = {}
@@ -274,6 +289,7 @@ def equivalence_on_rank() -> tuple[list[str], dict]:
     check_unused_parameters(failures, worst)
     check_no_sync(failures, worst)
     check_buffers_like_torch(failures, worst)
+    check_torch_style_loop(failures, worst)
     return failures, worst
 
 
@@ -308,13 +324,14 @@ def misuse_on_rank() -> dict[str, str]:
     with wrapped.no_sync():
         F.mse_loss(wrapped(x), y).backward()
         found["finish inside no_sync"] = message(wrapped.finish_gradient_synchronization)
+    # the end of backward synchronises (as torch's DDP): a forward may follow at once, and a
+    # second finish_gradient_synchronization() changes nothing
     F.mse_loss(wrapped(x), y).backward()
-    found["forward before finish"] = message(lambda: wrapped(x))
-    loss = F.mse_loss(wrapped.module(x), y)
-    found["backward twice"] = message(loss.backward)
-    wrapped.finish_gradient_synchronization()  # still usable: every bucket is sent and waited for
-    found["after recovery"] = message(lambda: F.mse_loss(wrapped(x), y).backward())
-    wrapped.finish_gradient_synchronization()
+    grads = [p.grad.clone() for p in wrapped.parameters()]
+    found["finish again"] = message(wrapped.finish_gradient_synchronization)
+    found["finish again keeps"] = all(
+        torch.equal(g, p.grad) for g, p in zip(grads, wrapped.parameters(), strict=True))
+    found["forward after backward"] = message(lambda: wrapped(x))
     # torch's DDP takes None for its default cap; so does ours
     sizes = [[p.numel() for p in b.params] for b in ddp.DDP(models.MLP()).reducer.buckets]
     found["cap None"] = sizes == [
@@ -330,9 +347,8 @@ def test_misuse_gives_clear_errors():
         for case in ("different models", "different frozen", "different buffers"):
             assert "the ranks wrap different models" in f[case], case
         assert "inside ddp.no_sync()" in f["finish inside no_sync"]
-        assert "call ddp.finish_gradient_synchronization()" in f["forward before finish"]
-        assert "received its gradient twice" in f["backward twice"]
-        assert f["after recovery"] == "no error"
+        assert f["forward after backward"] == f["finish again"] == "no error"
+        assert f["finish again keeps"] is True
         assert f["cap None"] is True
 
 

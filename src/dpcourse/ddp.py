@@ -21,25 +21,18 @@ Chapter 7: DistributedDataParallel from scratch.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from dpcourse.buckets import MB, Bucket, BucketManager
+from dpcourse.sampler import epoch_indices  # ddp.epoch_indices, as chapter 7 calls it
 
-__all__ = [
-    "broadcast_parameters",
-    "broadcast_buffers",
-    "all_reduce_gradients",
-    "PerParameterDDP",
-    "DDP",
-    "VARIANTS",
-    "wrap",
-    "epoch_indices",
-]
+__all__ = ["broadcast_parameters", "broadcast_buffers", "all_reduce_gradients",
+           "PerParameterDDP", "DDP", "VARIANTS", "wrap", "epoch_indices"]
 
 
 # ------------------------------------------------------------------------------- checks
@@ -207,8 +200,7 @@ class DDP(nn.Module):
     A training step::
 
         loss = loss_fn(ddp(x), y)
-        loss.backward()
-        ddp.finish_gradient_synchronization()   # wait for the all-reduces
+        loss.backward()      # ends by waiting for the all-reduces (as in torch's DDP)
         optimizer.step()
 
     ``forward`` passes through to ``module`` (``ddp.module``; its ``state_dict`` is unchanged).
@@ -244,6 +236,8 @@ class DDP(nn.Module):
         broadcast_parameters(module)
         self.reducer = BucketManager(params, bucket_cap_mb * MB, self.world_size)
         self.require_backward_grad_sync = True
+        self._finish_queued = False  # a callback waits for the end of this backward
+        self._synchronised = False  # the last backward's gradients are averaged already
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     @property
@@ -252,7 +246,18 @@ class DDP(nn.Module):
 
     def _hook(self, param: nn.Parameter) -> None:
         if self.require_backward_grad_sync:
+            if not self._finish_queued:
+                # As torch's DDP does: have the autograd engine finish the synchronisation once
+                # this backward is over, so that `loss.backward(); optimizer.step()` is right.
+                Variable._execution_engine.queue_callback(self._finish_at_end_of_backward)
+                self._finish_queued = True
+                self._synchronised = False
             self.reducer.mark_ready(param, launch=self.overlap)
+
+    def _finish_at_end_of_backward(self) -> None:
+        self._finish_queued = False
+        self.reducer.finish()
+        self._synchronised = True
 
     def forward(self, *args, **kwargs):
         if self.reducer.ready_in_backward:
@@ -263,20 +268,29 @@ class DDP(nn.Module):
             )
         if self.broadcast_buffers and self.world_size > 1:
             broadcast_buffers(self.module)
+        # a new step: a rank whose backward then reaches none of the parameters (no hook, no
+        # callback) must still join the all-reduces in finish_gradient_synchronization()
+        self._synchronised = False
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait until every gradient is averaged over the ranks; call it after backward and
-        before ``optimizer.step()``. Buckets not launched during backward (overlap off, or
-        parameters that got no gradient on this rank) are launched now, zeros standing for
-        missing gradients, the same way on every rank."""
+        """Wait until every gradient is averaged over the ranks. Buckets not launched during
+        backward (overlap off, or parameters that got no gradient on this rank) are launched
+        now, zeros standing for missing gradients, the same way on every rank.
+
+        The end of every backward outside :meth:`no_sync` runs it already (a callback queued
+        on the autograd engine by the first gradient hook, as torch's DDP does), so a
+        torch-style ``loss.backward(); optimizer.step()`` is right as it is; calling it again
+        before the next backward does nothing. Chapter 7 calls it by hand to show the step."""
         if not self.require_backward_grad_sync:
             raise RuntimeError(
                 "finish_gradient_synchronization() was called inside ddp.no_sync(), where "
                 "gradients only accumulate locally. Call it after the backward that runs "
                 "outside no_sync()."
             )
-        self.reducer.finish()
+        if not self._synchronised:
+            self.reducer.finish()
+            self._synchronised = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -313,22 +327,3 @@ def wrap(variant: str, module: nn.Module, **options) -> tuple[nn.Module, Callabl
     if variant == "torch DDP":
         return nn.parallel.DistributedDataParallel(module, **options), lambda: None
     raise ValueError(f"unknown variant {variant!r}; the variants are {VARIANTS}")
-
-
-# ------------------------------------------------------------------------------- sampling
-def epoch_indices(
-    num_samples: int, world_size: int, rank: int, epoch: int, seed: int = 0, shuffle: bool = True
-) -> list[int]:
-    """The sample indices ``DistributedSampler(num_replicas=world_size, rank=rank, seed=seed)``
-    yields after ``set_epoch(epoch)``: a permutation seeded with ``seed + epoch``, padded by
-    repeating its start to a multiple of ``world_size``, then every ``world_size``-th index
-    from ``rank`` on. Chapter 7 shows the order repeating when ``set_epoch`` is forgotten."""
-    if shuffle:
-        g = torch.Generator().manual_seed(seed + epoch)
-        order = torch.randperm(num_samples, generator=g).tolist()
-    else:
-        order = list(range(num_samples))
-    total = math.ceil(num_samples / world_size) * world_size  # every rank gets as many
-    padding = total - num_samples
-    order += (order * math.ceil(padding / num_samples))[:padding]  # repeat from the start
-    return order[rank:total:world_size]

@@ -153,14 +153,15 @@ class StepTimeline:
 
 
 def timed_backward(ddp_model, loss) -> StepTimeline:
-    """``loss.backward()`` and ``ddp_model.finish_gradient_synchronization()`` for a
-    :class:`dpcourse.ddp.DDP`, recording when each bucket's all-reduce was launched and
-    completed, relative to the start of backward.
+    """``loss.backward()`` for a :class:`dpcourse.ddp.DDP` (whose end synchronises the
+    gradients), recording when each bucket's all-reduce was launched and completed, relative
+    to the start of backward; ``backward_s`` is when the gradients were all computed (the
+    engine's end-of-backward callback started), ``finished_s`` when they were all averaged.
 
-    The recorder wraps the reducer's ``_launch`` for the duration of the step (the reducer
-    itself has no timing code). Completion is when the backend reported it (a callback on the
-    all-reduce's future): exact for gloo; for NCCL it can be earlier than the GPU's work (use
-    torch.profiler there).
+    The recorder wraps the reducer's ``_launch`` and DDP's end-of-backward callback for the
+    duration of the step (neither has timing code). Completion is when the backend reported it
+    (a callback on the all-reduce's future): exact for gloo; for NCCL it can be earlier than
+    the GPU's work (use torch.profiler there).
     """
     reducer = ddp_model.reducer
     launch_untimed = reducer._launch
@@ -177,14 +178,22 @@ def timed_backward(ddp_model, loss) -> StepTimeline:
 
         bucket.work.get_future().then(done)
 
-    reducer._launch = launch_timed  # an instance attribute: this reducer, this step only
+    finish_untimed = ddp_model._finish_at_end_of_backward
+    computed: list[float] = []
+
+    def finish_timed() -> None:
+        computed.append(time.perf_counter() - t0)
+        finish_untimed()
+
+    reducer._launch = launch_timed  # instance attributes: this model, this step only
+    ddp_model._finish_at_end_of_backward = finish_timed
     try:
         loss.backward()
-        backward_s = time.perf_counter() - t0
-        ddp_model.finish_gradient_synchronization()
+        ddp_model.finish_gradient_synchronization()  # already done: returns at once
         finished_s = time.perf_counter() - t0
     finally:
-        del reducer._launch
+        del reducer._launch, ddp_model._finish_at_end_of_backward
+    backward_s = computed[0] if computed else finished_s
     deadline = time.perf_counter() + 1.0
     while any(t.completed_s < 0 for t in timings) and time.perf_counter() < deadline:
         time.sleep(1e-4)  # the callbacks may run a moment after wait() returns
