@@ -1,4 +1,5 @@
-"""Plots of chapter 7: the communication timeline of DDP and step time against bucket size.
+"""Plots of chapter 7: the communication timeline of DDP, step time against bucket size, and
+overlap on and off for each bucket size (on a slow link).
 
 Chapter 7: plots of DDP's timeline and bucket sizes.
 """
@@ -13,7 +14,7 @@ from matplotlib.figure import Figure
 
 from dpcourse.bench.ddp import StepTimeline
 
-__all__ = ["plot_timeline", "plot_bucket_sizes"]
+__all__ = ["plot_timeline", "plot_bucket_sizes", "plot_overlap"]
 
 
 def _draw_timeline(ax: Axes, timeline: StepTimeline, title: str) -> None:
@@ -88,4 +89,49 @@ def plot_bucket_sizes(
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def plot_overlap(
+    caps_mb: Sequence[float],
+    overlapped_s: Sequence[float],
+    after_backward_s: Sequence[float],
+    bucket_counts: Sequence[int],
+    reference: Mapping[str, float],
+    title: str,
+    source: str,
+) -> Figure:
+    """Median step time for each bucket cap as a pair of bars: the buckets launched during
+    backward (overlapped) and the same buckets launched after it, each bar labelled in ms and
+    each pair with its cap and number of buckets; horizontal lines for the ``reference`` times
+    (e.g. the step without communication). ``source`` (where and when it was measured, or that
+    it was recorded) is the title's second line. Chapter 7."""
+    if not len(caps_mb) == len(overlapped_s) == len(after_backward_s) == len(bucket_counts):
+        raise ValueError(
+            "caps_mb, overlapped_s, after_backward_s and bucket_counts differ in length"
+        )
+    fig, ax = plt.subplots(figsize=(6.5, 4), layout="constrained")
+    xs = range(len(caps_mb))
+    width = 0.38
+    for offset, times, label, color in (
+        (-width / 2, overlapped_s, "overlapped (launched during backward)", "#dd8452"),
+        (width / 2, after_backward_s, "no overlap (launched after backward)", "#8c8c8c"),
+    ):
+        bars = ax.bar([x + offset for x in xs], [t * 1e3 for t in times], width, label=label,
+                      color=color)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    for (name, t), style in zip(reference.items(), ("--", ":", "-."), strict=False):
+        ax.axhline(t * 1e3, ls=style, color="k", lw=1, label=name)
+    ticks = [f"{c:g} MiB\n{n} bucket{'s' if n != 1 else ''}"
+             for c, n in zip(caps_mb, bucket_counts, strict=True)]
+    ax.set_xticks(list(xs), ticks)
+    ax.set(
+        xlabel="bucket_cap_mb",
+        ylabel="ms per training step (median)",
+        title=f"{title}\n{source}",
+    )
+    highest = max([*overlapped_s, *after_backward_s, *reference.values()]) * 1e3
+    ax.set_ylim(0, highest * 1.4)  # room for the legend above the bars
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", ncols=2)
     return fig
