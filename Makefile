@@ -27,6 +27,11 @@ XDIST = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 # to 8 sizes), although ranks forked from the kernel's fork server start in about 0.1 s.
 CELL_TIMEOUT ?= 600
 NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --timeout=0 --durations=20
+# Two notebooks at a time (NOTEBOOK_JOBS=0: one): a kernel alone leaves a core idle a third of
+# the time (ranks waiting on each other, cells waiting on the emulated cluster's slow links);
+# on the 2-core CI machine all notebooks took 302 s one at a time and 271 s two at a time.
+NOTEBOOK_JOBS ?= 2
+NBXDIST = $(if $(filter 0,$(NOTEBOOK_JOBS)),,-n $(NOTEBOOK_JOBS) --dist loadfile)
 # Where `make notebooks` keeps each notebook as it ran (the websites are rendered from these).
 EXECUTED := _build/executed
 
@@ -58,7 +63,7 @@ book: $(STAMP) vendor
 notebooks: $(STAMP)
 	@rm -rf $(EXECUTED)
 	DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python -m pytest chapters $(NBVAL) \
-	  --executed-dir=$(EXECUTED) $(PYTEST_ARGS)
+	  $(NBXDIST) --executed-dir=$(EXECUTED) $(PYTEST_ARGS)
 test-notebooks: notebooks
 
 $(EXECUTED)/chapters: $(wildcard chapters/*.ipynb) $(shell find src -name '*.py')
