@@ -152,7 +152,9 @@ def test_a_crash_under_run_ranks_ends_the_run_with_an_error_naming_the_dead_rank
         )
     text = str(info.value)
     assert "rank 1" in text and "died" in text, text
-    assert isinstance(info.value, RankDiedError) or "Connection closed by peer" in text
+    # the launcher saw rank 1 die first, or rank 0's gloo saw its peer go (the connection
+    # closed or reset: "Connection closed by peer", "Read error") and the report adds rank 1
+    assert isinstance(info.value, RankDiedError) or "rank 1: died" in text, text
     assert time.monotonic() - start < 60
 
 
