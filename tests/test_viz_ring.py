@@ -125,7 +125,7 @@ def test_model_errors_and_the_table_flag_what_is_off():
     assert all(abs(e - 0.1) < 1e-9 for n, name, size, e in errors if (n, name, size) not in off)
     table = viz_cluster.cluster_table(runs)
     assert table.count("*") == 1 + 1  # the one case, and the footnote
-    assert "64 KiB" in table and "+32 %*" in table and "8 nodes: alpha 200 us" in table
+    assert "64 KiB" in table and " +32%*" in table and "8 nodes: alpha 200 us" in table
 
 
 def test_recorded_runs_are_read_with_where_and_when_they_were_recorded(tmp_path, monkeypatch):

@@ -77,15 +77,15 @@ def cluster_table(runs: Mapping[int, Mapping], flag: float = 0.2, smallest: int 
         names = list(run["measured"])
         lines.append(f"{n} nodes: alpha {run['alpha'] * 1e6:.0f} us, beta "
                      f"{run['beta'] * 8 / 1e6:.0f} Mbit/s (fitted from ping-pong)")
-        heads = [f"{name} ms (model) error" for name in names]
-        lines.append(f"{'size':>8}" + "".join(f"{h:>25}" for h in heads))
+        heads = [f"{name} ms (model) err" for name in names]
+        lines.append(f"{'size':>8}" + "".join(f"{h:>22}" for h in heads))
         for i, size in enumerate(run["sizes"]):
             cells = []
             for name in names:
                 t, m = run["measured"][name][i], run["model"][name][i]
                 mark = "*" if size >= smallest and abs(t / m - 1) > flag else " "
-                cells.append(f"{t * 1e3:.1f} ({m * 1e3:.1f}) {(t / m - 1) * 100:+5.0f} %{mark}")
-            lines.append(f"{_size(size):>8}" + "".join(f"{c:>25}" for c in cells))
+                cells.append(f"{t * 1e3:.1f} ({m * 1e3:.1f}) {(t / m - 1) * 100:+4.0f}%{mark}")
+            lines.append(f"{_size(size):>8}" + "".join(f"{c:>22}" for c in cells))
     lines.append(f"(medians; * the model is off by more than {flag * 100:g} % at "
                  f"{_size(smallest)} or more)")
     return "\n".join(lines)
