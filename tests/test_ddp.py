@@ -482,3 +482,14 @@ def test_wrap_names_its_variants():
     assert wrapped is model and finish() is None
     with pytest.raises(ValueError, match="the variants are"):
         ddp.wrap("step 5", model)
+
+
+def test_paired_median_and_recorded_timelines():
+    from dataclasses import asdict
+
+    from dpcourse.bench import ddp as ddp_bench
+
+    times = {"a": [1.0, 5.0, 2.0], "b": [0.5, 4.0, 1.9]}  # each round's difference: .5, 1, .1
+    assert ddp_bench.paired_median(times, "a", "b") == pytest.approx(0.5)
+    t = ddp_bench.StepTimeline(0.03, 0.07, [ddp_bench.BucketTiming(0, 64, 0.01, 0.05)])
+    assert ddp_bench.timelines_from_json({"overlap=True": asdict(t)}) == {"overlap=True": t}

@@ -45,3 +45,13 @@ def test_overlap_plot_pairs_overlapped_and_sequential_bars_per_cap():
 def test_overlap_plot_refuses_series_of_different_lengths():
     with pytest.raises(ValueError, match="differ in length"):
         viz_ddp.plot_overlap([0.1, 1], [0.08], [0.1, 0.1], [8, 1], {}, "m", "t")
+
+
+def test_overlap_table_lists_every_variant_with_its_cost_over_none():
+    medians = {"none": 0.05, "DDP cap 0.1": 0.08, "DDP no overlap cap 0.1": 0.105}
+    table = viz_ddp.overlap_table(medians, {"DDP cap 0.1": 0.03, "DDP no overlap cap 0.1": 0.055},
+                                  [0.1], [8])
+    lines = table.splitlines()
+    assert lines[0].split() == ["variant", "buckets", "median", "step", "over", "none"]
+    assert lines[2].split() == ["DDP", "cap", "0.1", "8", "80.0", "ms", "30.0", "ms"]
+    assert lines[3].split()[-2:] == ["55.0", "ms"]

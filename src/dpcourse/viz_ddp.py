@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 from dpcourse.bench.ddp import StepTimeline
 
-__all__ = ["plot_timeline", "plot_bucket_sizes", "plot_overlap"]
+__all__ = ["plot_timeline", "plot_bucket_sizes", "plot_overlap", "overlap_table"]
 
 
 def _draw_timeline(ax: Axes, timeline: StepTimeline, title: str) -> None:
@@ -135,3 +135,17 @@ def plot_overlap(
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper center", ncols=2)
     return fig
+
+
+def overlap_table(medians: dict[str, float], over_none: dict[str, float], caps_mb: list,
+                  bucket_counts: list[int]) -> str:
+    """Chapter 7's slow-link table: for "none" and each cap's overlapped and after-backward
+    variant (``"DDP cap C"``, ``"DDP no overlap cap C"``), the buckets, the median step and
+    what it costs over "none" (``over_none``, seconds, same-round differences)."""
+    lines = [f"{'variant':<23} {'buckets':>7} {'median step':>12} {'over none':>10}",
+             f"{'none':<23} {'-':>7} {medians['none'] * 1e3:9.1f} ms"]
+    for cap, n in zip(caps_mb, bucket_counts, strict=True):
+        for name in (f"DDP cap {cap}", f"DDP no overlap cap {cap}"):
+            lines.append(f"{name:<23} {n:>7} {medians[name] * 1e3:9.1f} ms "
+                         f"{over_none[name] * 1e3:7.1f} ms")
+    return "\n".join(lines)

@@ -152,6 +152,23 @@ class StepTimeline:
     buckets: list[BucketTiming]
 
 
+def timelines_from_json(timelines: dict) -> dict[str, StepTimeline]:
+    """Timelines as a recorded JSON holds them (``dataclasses.asdict``), back as
+    :class:`StepTimeline` objects (chapter 7 draws a recorded run where it cannot measure)."""
+    return {name: StepTimeline(t["backward_s"], t["finished_s"],
+                               [BucketTiming(**b) for b in t["buckets"]])
+            for name, t in timelines.items()}
+
+
+def paired_median(times: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of (variant ``a``'s step - variant ``b``'s), from
+    :func:`time_variants_on_rank`'s interleaved times: the two steps of a round run one after
+    the other, so a busy machine slows both alike, where medians of each would drift apart."""
+    import statistics
+
+    return statistics.median(x - y for x, y in zip(times[a], times[b], strict=True))
+
+
 def timed_backward(ddp_model, loss) -> StepTimeline:
     """``loss.backward()`` for a :class:`dpcourse.ddp.DDP` (whose end synchronises the
     gradients), recording when each bucket's all-reduce was launched and completed, relative
