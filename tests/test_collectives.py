@@ -204,18 +204,11 @@ def test_bad_input_gives_clear_errors_on_every_rank():
 
 def no_library_collective() -> list[str]:
     """Every library collective raises here: ours, shape check included, must not need one."""
-    names = ("all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter", "barrier",
-             "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor")
-    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a library collective was called")
+    from dpcourse.collectives.p2p import library_collectives_forbidden
 
     problems = []
-    try:
-        for n in saved:
-            setattr(dist, n, forbidden)
-        x = torch.arange(7.0)
+    x = torch.arange(7.0)
+    with library_collectives_forbidden():
         for name, call in [
             ("ring", lambda: C.ring_all_reduce(x.clone())),
             ("ring step by step", lambda: C.ring_all_reduce(x.clone(), post_ahead=False)),
@@ -230,9 +223,6 @@ def no_library_collective() -> list[str]:
                 call()
             except AssertionError as exc:
                 problems.append(f"{name}: {exc}")
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
     return problems
 
 

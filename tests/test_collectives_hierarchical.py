@@ -119,31 +119,13 @@ def check_layout(k: int, groups: H.NodeGroups) -> list[str]:
             failures.append(f"{layout}: skipping step 2 went unnoticed")
 
     # No library collective: each raises while the all-reduce runs.
-    names = (
-        "all_reduce",
-        "all_gather",
-        "broadcast",
-        "reduce",
-        "reduce_scatter",
-        "barrier",
-        "all_to_all",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-    )
-    saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
-
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a library collective was called")
+    from dpcourse.collectives.p2p import library_collectives_forbidden
 
     try:
-        for name in saved:
-            setattr(dist, name, forbidden)
-        H.hierarchical_all_reduce(torch.arange(7.0), k, groups=groups)
+        with library_collectives_forbidden():
+            H.hierarchical_all_reduce(torch.arange(7.0), k, groups=groups)
     except AssertionError as exc:
         failures.append(f"{layout}: {exc}")
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
     return failures
 
 

@@ -52,7 +52,7 @@ from dpcourse._launch.netns import (
 __all__ = ["EmulatedCluster", "ClusterUnavailable", "check_available", "rate_bits"]
 
 _LOCK_FILE = "/run/dpcourse-cluster.lock"  # taken while namespaces and subnets are handed out
-_SUBNETS = ("10.213.{}.0/24", range(256))  # one /24 per live cluster, the first free one
+_SUBNET = "10.213.{}"  # one 10.213.x.0/24 per live cluster, the first free x
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
 _live: list[EmulatedCluster] = []
 _live_lock = threading.Lock()
@@ -169,11 +169,9 @@ class EmulatedCluster:
 
     def _free_subnet(self) -> str:
         used = ip("ip", "-o", "-4", "addr", "show", check=False)
-        pattern, seconds = _SUBNETS
-        for third in seconds:
-            subnet = pattern.format(third)
-            if f" {subnet.rsplit('.', 1)[0]}." not in used:
-                return subnet
+        for third in range(256):
+            if f" {_SUBNET.format(third)}." not in used:
+                return f"{_SUBNET.format(third)}.0/24"
         raise ClusterUnavailable("no free 10.213.x.0/24 subnet: close other emulated clusters")
 
     def _shape(self, device: str, rate_bits_: float, namespace: str | None = None) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "quantile",
     "slowest_rank",
     "ping_pong_on_rank",
+    "fit_link_on_cluster",
     "measure_on_cluster",
 ]
 
@@ -150,6 +151,22 @@ def ping_pong_on_rank(sizes: list[int], repeats: int = 5, peer: int = 1) -> list
     return one_way
 
 
+def fit_link_on_cluster(
+    cluster, sizes: list[int], repeats: int = 5, peer: int = 1
+) -> tuple[float, float, list[int], list[float]]:
+    """``(alpha, beta, message sizes, one-way seconds)`` of the link between rank 0 and rank
+    ``peer`` of a started :class:`dpcourse.cluster.EmulatedCluster`, fitted
+    (:func:`dpcourse.costmodel.fit_link`) on ping-pong messages of ``sizes`` plus a small one
+    for the latency and large ones for the bandwidth."""
+    from dpcourse import costmodel
+    from dpcourse.launch import run_ranks
+
+    link_sizes = sorted({2**12, 2**20, 2**22, *sizes})
+    one_way = run_ranks(ping_pong_on_rank, cluster.world_size, link_sizes, repeats, peer,
+                        cluster=cluster, timeout=900)[0]
+    return (*costmodel.fit_link(link_sizes, one_way), link_sizes, one_way)
+
+
 def measure_on_cluster(
     nodes: int,
     link: str,
@@ -170,14 +187,10 @@ def measure_on_cluster(
     from dpcourse.launch import run_ranks
 
     with EmulatedCluster(nodes, link=link) as cluster:
-        # a small message for the latency, large ones for the bandwidth (costmodel.fit_link)
-        link_sizes = sorted({2**12, 2**20, 2**22, *sizes})
-        pp = run_ranks(ping_pong_on_rank, nodes, link_sizes, max(repeats, 5), cluster=cluster,
-                       timeout=900)
-        alpha, beta = costmodel.fit_link(link_sizes, pp[0])
+        alpha, beta, link_sizes, one_way = fit_link_on_cluster(cluster, sizes, max(repeats, 5))
         measured = run_ranks(time_all_reduce_on_rank, nodes, sizes, names, repeats,
                              budget_bytes, cluster=cluster, timeout=1800)[0]
     model = {n: [costmodel.all_reduce_time(n, nodes, s, alpha, beta) for s in sizes]
              for n in names}
     return {"nodes": nodes, "link": link, "alpha": alpha, "beta": beta, "sizes": sizes,
-            "link_sizes": link_sizes, "ping_pong": pp[0], "measured": measured, "model": model}
+            "link_sizes": link_sizes, "ping_pong": one_way, "measured": measured, "model": model}

@@ -70,13 +70,10 @@ def measure_two_level(
 
     sizes = list(sizes)
     k, world = ranks_per_node, nodes * ranks_per_node
-    link_sizes = sorted({2**12, 2**20, 2**22, *sizes})
     with EmulatedCluster(nodes, k, link=link, node_link=node_link) as cluster:
         # rank 0 to rank k crosses between nodes; rank 0 to rank 1 stays inside node 0
-        inter = costmodel.fit_link(link_sizes, run_ranks(
-            commbench.ping_pong_on_rank, world, link_sizes, 5, k, cluster=cluster)[0])
-        intra = costmodel.fit_link(link_sizes, run_ranks(
-            commbench.ping_pong_on_rank, world, link_sizes, 5, 1, cluster=cluster)[0])
+        inter = commbench.fit_link_on_cluster(cluster, sizes, peer=k)[:2]
+        intra = commbench.fit_link_on_cluster(cluster, sizes, peer=1)[:2]
         measured = run_ranks(two_level_samples_on_rank, world, sizes, k, repeats,
                              cluster=cluster, timeout=1800)[0]
     inside = scaling.Link("inside a node (fitted)", *intra, "ping-pong, this run")

@@ -77,6 +77,30 @@ def count_traffic() -> Iterator[Traffic]:
         _counting.active.remove(traffic)
 
 
+# torch.distributed's collectives, which the course's own must never call (see __init__).
+LIBRARY_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter",
+                       "barrier", "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+@contextlib.contextmanager
+def library_collectives_forbidden() -> Iterator[None]:
+    """Inside the ``with`` block every library collective of this rank raises an
+    AssertionError ("a library collective was called"): the tests run the course's
+    collectives so, to show that they are built from point-to-point messages alone."""
+    saved = {n: getattr(dist, n) for n in LIBRARY_COLLECTIVES if hasattr(dist, n)}
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a library collective was called")
+
+    try:
+        for name in saved:
+            setattr(dist, name, forbidden)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 @contextlib.contextmanager
 def not_counted() -> Iterator[None]:
     """Leave this rank's messages inside the ``with`` block out of :func:`count_traffic`: the
