@@ -32,6 +32,13 @@ NBVAL = --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) --t
 # on the 2-core CI machine all notebooks took 302 s one at a time and 271 s two at a time.
 NOTEBOOK_JOBS ?= 2
 NBXDIST = $(if $(filter 0,$(NOTEBOOK_JOBS)),,-n $(NOTEBOOK_JOBS) --dist loadfile)
+# One OpenMP thread per test process (kernel, test worker): two processes that each start as
+# many threads as there are cores fight over them. Chapter 1 uses torch's default threads, and
+# next to another notebook its Transformer cell took 95 s instead of 9 s. Measured on the 2-core
+# CI machine: all notebooks 300 s -> 252 s, the unit tests 395 s -> 332 s. Rank processes set
+# their own threads (dpcourse.launch); THREADS= (empty) leaves torch's default.
+THREADS ?= 1
+OMP = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS),)
 # Where `make notebooks` keeps each notebook as it ran (the websites are rendered from these).
 EXECUTED := _build/executed
 
@@ -62,7 +69,7 @@ book: $(STAMP) vendor
 # outputs in _build/executed/, and a notebook whose cells raised gets a .err.log beside it.
 notebooks: $(STAMP)
 	@rm -rf $(EXECUTED)
-	DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python -m pytest chapters $(NBVAL) \
+	$(OMP) DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python -m pytest chapters $(NBVAL) \
 	  $(NBXDIST) --executed-dir=$(EXECUTED) $(PYTEST_ARGS)
 test-notebooks: notebooks
 
@@ -108,7 +115,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests chapters
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(OMP) $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The full check, as CI runs it. It goes on after a failing step, so that one run reports
 # every failure (a cell that raised also shows on its page), then fails if any step did.
@@ -118,7 +125,7 @@ test: $(STAMP) vendor
 	$(MAKE) --no-print-directory lint || failed="$$failed lint"; lap lint; \
 	$(MAKE) --no-print-directory notebooks || failed="$$failed notebooks"; lap notebooks; \
 	$(MAKE) --no-print-directory site || failed="$$failed site"; lap "websites"; \
-	DPCOURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) \
+	$(OMP) DPCOURSE_REQUIRE_SITE=1 $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) \
 	  || failed="$$failed tests"; lap "tests"; \
 	echo "make test took:$${times%,}"; \
 	if [ -n "$$failed" ]; then echo "make test failed:$$failed"; exit 1; fi

@@ -60,6 +60,8 @@ def test_describe_machine_matches_torch():
     assert m.backends["gloo"]
     text = m.summary()
     assert f"CPU cores:    {m.cpus}" in text and f"GPUs:         {len(m.gpus)}" in text
+    assert m.threads == torch.get_num_threads()
+    assert f"(torch uses {m.threads} thread" in text
 
 
 def test_current_outside_a_process_group_is_one_rank():

@@ -53,6 +53,9 @@ class Machine:
     torch_version: str
     cuda_version: str | None
     backends: dict[str, bool] = field(default_factory=dict)
+    # torch's intra-op threads in this process: what a CPU measurement here had to work with
+    # (OMP_NUM_THREADS, torch.set_num_threads); `make test` runs each notebook with 1.
+    threads: int = 1
     python: str = platform.python_version()
     system: str = platform.platform()
 
@@ -72,7 +75,8 @@ class Machine:
                 f"python:       {self.python}",
                 f"torch:        {self.torch_version}"
                 + (f" (CUDA {self.cuda_version})" if self.cuda_version else " (CPU build)"),
-                f"CPU cores:    {self.cpus}",
+                f"CPU cores:    {self.cpus} (torch uses {self.threads} thread"
+                + ("s)" if self.threads != 1 else ")"),
                 f"GPUs:         {len(self.gpus)}",
                 *gpu_lines,
                 f"backends:     {backends}",
@@ -109,6 +113,7 @@ def describe_machine() -> Machine:
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda if n else None,
         backends=backends,
+        threads=torch.get_num_threads(),
     )
 
 
