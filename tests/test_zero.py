@@ -123,15 +123,16 @@ def _checks_on_rank() -> dict:
     out["stage2_grads_freed"] = all(p.grad is None for p in model.parameters())
     out["stage2_grad_numel"] = sum(s.grad.numel() for s in opt.shards)
 
-    # Stage 1 holds each gradient once: after backward every .grad is a view of the flat
-    # gradient buffer. Two backward passes before step() accumulate into it, like one pass on
-    # both batches together (SGD, so the comparison is linear and tight).
+    # Stage 1 holds each gradient once: while gradients stay on the rank (inside no_sync)
+    # every .grad is a view of the flat gradient buffer. Two backward passes before step()
+    # accumulate, like one pass on both batches together (SGD: linear, so the check is tight).
     model, ref = make_model(), make_model()
     opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     (x0, y0), (x1, y1) = batch(0, rank), batch(1, rank)
-    for x, y in ((x0, y0), (x1, y1)):
-        nn.functional.mse_loss(model(x), y).backward()
+    with opt.no_sync():
+        for x, y in ((x0, y0), (x1, y1)):
+            nn.functional.mse_loss(model(x), y).backward()
     flat = opt._groups[0].grad
     inside = [
         flat.data_ptr() <= p.grad.data_ptr() < flat.data_ptr() + flat.nbytes
@@ -269,8 +270,7 @@ def _bad_input_on_rank() -> dict:
     errors["instance"] = error(
         lambda: ShardedOptimizer(model.parameters(), torch.optim.SGD(model.parameters(), lr=0.1))
     )
-    # a group whose parameters are all frozen is kept, empty; a scheduler drives the inner
-    # optimizer
+    # a group whose parameters are all frozen is kept, empty; a scheduler drives it
     m = make_model()
     m[0].requires_grad_(False)
     opt = ShardedOptimizer(
@@ -278,7 +278,7 @@ def _bad_input_on_rank() -> dict:
         torch.optim.SGD,
         lr=0.1,
     )
-    scheduler = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     train(m, opt, 2)
     scheduler.step()
     errors["empty_group"] = [g[2] for g in opt.shard_ranges()], opt.param_groups[1]["lr"]
@@ -437,8 +437,11 @@ def test_train_variants_side_by_side():
             assert r[name]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert ref["losses"][-1] < ref["losses"][0]
         assert ref["state_bytes"] == 2 * 4 * 71 + 4 * 4
-        # one flat buffer; the model's .grad were views of it and are gone after step()
-        assert r["ShardedOptimizer"]["grad_bytes"] == 4 * 71
     shards = [e - s for s, e in chunk_bounds(71, 3)]
+    # stage 1: one flat buffer (the model's .grad were views of it and are gone after backward)
+    # and the averaged gradient of the rank's shard; stage 2: only the shard's
+    assert [r["ShardedOptimizer"]["grad_bytes"] for r in per_rank] == [
+        4 * 71 + 4 * n for n in shards
+    ]
     assert [r["ShardedOptimizer s2"]["grad_bytes"] for r in per_rank] == [4 * n for n in shards]
     assert [r["ShardedOptimizer"]["state_bytes"] for r in per_rank] == [8 * n + 4 for n in shards]

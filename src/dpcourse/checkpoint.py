@@ -171,15 +171,16 @@ def save_checkpoint(
     optimizer: Any,
     *,
     scaler: torch.amp.GradScaler | None = None,
+    scheduler: Any = None,
     progress: dict | None = None,
     sharded_optimizer: bool = False,
     keep: int = 2,
 ) -> Path:
     """Save a checkpoint of training after ``step`` steps; call it on **every** rank.
 
-    Rank 0 writes ``checkpoint.pt`` (model, optimizer unless sharded, scaler, ``progress`` — for
-    instance the epoch and the batch within it —, and the RNG state of every rank, gathered to
-    it). With ``sharded_optimizer=True`` each rank writes its own optimizer state
+    Rank 0 writes ``checkpoint.pt`` (model, optimizer unless sharded, scaler, LR scheduler,
+    ``progress`` — for instance the epoch and the batch within it —, and the RNG state of every
+    rank, gathered to it). With ``sharded_optimizer=True`` each rank writes its own optimizer state
     (``optimizer.state_dict()`` of a ZeRO optimizer) to its own file. Then, after a barrier, rank
     0 replaces ``latest.json`` and deletes all but the ``keep`` newest checkpoints. Every file is
     written atomically. Returns the checkpoint's directory. Used by :mod:`dpcourse.train`.
@@ -210,6 +211,7 @@ def save_checkpoint(
             "model": _unwrap(model).state_dict(),
             "optimizer": None if sharded_optimizer else optimizer.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "progress": progress or {},
             "rng": rngs,
         }
@@ -239,12 +241,14 @@ def load_checkpoint(
     optimizer: Any,
     *,
     scaler: torch.amp.GradScaler | None = None,
+    scheduler: Any = None,
     map_location: torch.device | str | None = None,
     restore_rng: bool = True,
 ) -> dict | None:
-    """Load the newest complete checkpoint of ``directory`` into ``model``, ``optimizer`` and
-    ``scaler``, restore this rank's generators, and return ``{"step": ..., "progress": ...}``;
-    None if there is no checkpoint yet (a fresh start). Call it on every rank.
+    """Load the newest complete checkpoint of ``directory`` into ``model``, ``optimizer``,
+    ``scaler`` and ``scheduler`` (an LR scheduler), restore this rank's generators, and return
+    ``{"step": ..., "progress": ...}``; None if there is no checkpoint yet (a fresh start).
+    Call it on every rank.
 
     The generators of rank r are rank r's from the saved run, so the world size must be the same
     as when it was saved; a different one raises ``ValueError`` (pass ``restore_rng=False`` to
@@ -279,6 +283,8 @@ def load_checkpoint(
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
         rng = state["rng"][rank]
         rng["torch"] = rng["torch"].cpu()  # map_location moved it; the generator lives on the CPU

@@ -11,8 +11,9 @@ Chapter 9: the flat buffer, its shards and who owns which element.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +21,13 @@ from torch import nn
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.collectives.tree import tree_broadcast
 
-__all__ = ["FlatGroup", "flatten_group", "owner_of", "shard_bounds"]
+__all__ = [
+    "FlatGroup",
+    "as_param_groups",
+    "flatten_group",
+    "owner_of",
+    "shard_bounds",
+]
 
 
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -79,7 +86,7 @@ def flatten_group(
     0's over the process group, so that every replica starts from the same weights. With
     ``keep_full_grad`` (stage 1) a flat gradient buffer of the same layout is allocated and each
     parameter's gradient is moved into it as backward produces it; without it (stage 2) only the
-    shard's gradient is kept between steps.
+    shard's gradient (``shard.grad``, which both stages keep) is held between steps.
     """
     dtype = params[0].dtype if params else torch.float32
     numel = sum(p.numel() for p in params)
@@ -97,7 +104,7 @@ def flatten_group(
     s0, s1 = shard_bounds(numel, world_size, rank)
     shard = nn.Parameter(flat[s0:s1])  # a view: stepping it updates flat in place
     grad = torch.zeros_like(flat) if keep_full_grad else None
-    shard.grad = grad[s0:s1] if grad is not None else torch.zeros_like(flat[s0:s1])
+    shard.grad = torch.zeros_like(flat[s0:s1])  # the averaged gradient of the shard
     if grad is not None:
         for p, (s, e) in zip(params, offsets, strict=True):
             p.register_post_accumulate_grad_hook(_into_flat(grad[s:e].view_as(p)))
@@ -116,3 +123,42 @@ def _into_flat(view: torch.Tensor) -> Callable[[torch.Tensor], None]:
             param.grad = view
 
     return hook
+
+
+def as_param_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """A torch optimizer's ``params`` argument as a list of groups (dicts with "params"),
+    checked: tensors or dicts, not both; each parameter once; leaves only."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params must be an iterable of tensors or of dicts, not a tensor: pass "
+            "model.parameters() or [tensor]"
+        )
+    items = list(params)
+    if not items:
+        raise ValueError(
+            "ShardedOptimizer got an empty parameter list: pass model.parameters() (a "
+            "generator can be used only once; did something consume it already?)"
+        )
+    if all(isinstance(item, dict) for item in items):
+        groups = []
+        for item in items:
+            if "params" not in item:
+                raise ValueError("every parameter group needs a 'params' entry")
+            ps = item["params"]
+            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+            groups.append({**item, "params": ps})
+    elif any(isinstance(item, dict) for item in items):
+        raise TypeError("params mixes tensors and dicts: pass either tensors or parameter groups")
+    else:
+        groups = [{"params": items}]
+    seen: set[int] = set()
+    for g in groups:
+        for p in g["params"]:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"expected parameters (tensors), got {type(p).__name__}")
+            if id(p) in seen:
+                raise ValueError("a parameter appears twice in params; pass each once")
+            seen.add(id(p))
+            if p.requires_grad and not p.is_leaf:
+                raise ValueError("can only optimize leaf tensors (model parameters)")
+    return groups

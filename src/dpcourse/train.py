@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-scaling", choices=RULES, default="none", help="rule for N ranks")
     p.add_argument("--warmup", type=int, default=0, help="steps of linear warm-up")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-clip", type=float, default=None, help="max gradient norm (0: off)")
+    p.add_argument("--grad-clip", type=float, default=None,
+                   help="max gradient norm (0: off; default 1)")
     p.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-samples", type=int, default=1024, help="size of the data set")
@@ -79,14 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.num_samples < 1:
         p.error("--steps, --batch-size and --num-samples must be at least 1")
-    if args.grad_clip is None:  # ShardedOptimizer averages gradients inside step(): no clipping
-        args.grad_clip = 0.0 if args.strategy == "zero" else 1.0
-    if args.strategy == "zero" and (args.grad_clip > 0 or args.amp == "fp16"):
-        p.error(
-            "--strategy zero averages the gradients inside ShardedOptimizer.step(), so neither "
-            "--grad-clip (it needs the averaged gradients before the step) nor --amp fp16 (the "
-            "scaler must unscale them) can be used with it; use --amp bf16, or --strategy ddp-torch"
-        )
+    if args.grad_clip is None:
+        args.grad_clip = 1.0
+    if args.grad_clip < 0 or args.warmup < 0:
+        p.error("--grad-clip and --warmup must be 0 (off) or more")
     return args
 
 
@@ -209,6 +206,11 @@ def main(argv: list[str] | None = None) -> dict:
         optimizer = torch.optim.AdamW(
             raw_model.parameters(), lr=args.lr, weight_decay=args.weight_decay
         )
+    # The learning rate of each step (warm-up, scaling with the world size: chapter 8), set by a
+    # torch scheduler, which works on every strategy's optimizer (ShardedOptimizer included).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_at(s, args.lr, world, args.warmup, args.lr_scaling) / args.lr
+    )
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     step = 0
     if args.checkpoint_dir is not None:
         resumed = checkpoint.load_checkpoint(
-            args.checkpoint_dir, raw_model, optimizer, scaler=scaler
+            args.checkpoint_dir, raw_model, optimizer, scaler=scaler, scheduler=scheduler
         )
         if resumed is not None:
             step = resumed["step"]
@@ -242,9 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
                         marker.touch()
                     print(f"rank {rank}: crashing at step {step} (--crash-at-step)", flush=True)
                     os._exit(1)  # no exception, no cleanup: as if the machine had died
-            lr = lr_at(step, args.lr, world, args.warmup, args.lr_scaling)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            lr = optimizer.param_groups[0]["lr"]  # this step's, from the scheduler
             *inputs, target = (t.to(device) for t in batch)
 
             # forward and backward (16-bit compute under autocast; the weights stay float32)
@@ -254,16 +254,20 @@ def main(argv: list[str] | None = None) -> dict:
             scaler.scale(loss).backward()  # scale(loss) is loss itself unless --amp fp16
 
             # average the (scaled) gradients over the ranks (manual: all-reduce them now;
-            # ddp-scratch: wait for the buckets; ddp-torch synchronised during backward; zero
-            # does it inside optimizer.step())
+            # ddp-scratch and ddp-torch finished by the end of backward; zero too, keeping only
+            # this rank's shard of the average)
             synchronise()
 
             # unscale once, clip the synchronised gradients, step (skipped if any inf)
             if args.grad_clip > 0:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
+                if args.strategy == "zero":  # the global norm, over every rank's shard
+                    optimizer.clip_grad_norm_(args.grad_clip)
+                else:
+                    torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip)
             scaler.step(optimizer)
             scaler.update()
+            scheduler.step()
             step += 1
 
             # log the loss of the global batch (an all-reduce, so only every few steps)
@@ -285,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
                     raw_model,
                     optimizer,
                     scaler=scaler if scaler.is_enabled() else None,
+                    scheduler=scheduler,
                     progress={"epoch": epoch},
                     sharded_optimizer=args.strategy == "zero",
                 )

@@ -98,10 +98,15 @@ def train_variants_on_rank(
     optimizer_cls: type,
     variants: tuple[str, ...] = VARIANTS,
     return_params: bool = True,
+    warmup: int = 0,
+    max_norm: float | None = None,
     **optimizer_kwargs,
 ) -> dict[str, dict]:
     """Runs on every rank: train a fresh ``make_model()`` for ``steps`` steps in each way of
-    :func:`make_variant`, on batches ``make_batch(step, rank)`` = ``(inputs..., target)``.
+    :func:`make_variant`, on batches ``make_batch(step, rank)`` = ``(inputs..., target)``, in a
+    torch-style loop: with ``warmup`` > 0 a ``LambdaLR`` warms the learning rate up linearly
+    over that many steps, and ``max_norm`` clips the averaged gradients (torch's
+    ``clip_grad_norm_``, or ``ShardedOptimizer.clip_grad_norm_`` on the global norm).
 
     Returns, per variant: ``losses`` (mean over ranks, per step), ``params`` (the final
     parameters, flattened, on the CPU), ``state_bytes`` (this rank's optimizer state) and
@@ -120,13 +125,21 @@ def train_variants_on_rank(
     for name in variants:
         model = make_model()
         module, opt, holder = make_variant(name, model, optimizer_cls, **optimizer_kwargs)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
         losses = []
         for step in range(steps):
             *inputs, target = make_batch(step, rank)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(module(*inputs), target)
             loss.backward()
+            if max_norm is not None and isinstance(opt, ShardedOptimizer):
+                opt.clip_grad_norm_(max_norm)
+            elif max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             opt.step()
+            scheduler.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
