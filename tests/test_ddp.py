@@ -45,21 +45,16 @@ def uses_extra(step: int, rank: int) -> bool:
 # bytes in registration order) and of Tricky, and the buckets they should give.
 MLP_CAPS = {
     25.0: [["fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias", "fc1.weight"]],
-    4500 * B: [["fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"]],
-    # smaller than fc2.weight (4096 bytes), which gets a bucket of its own
-    300 * B: [
-        ["fc3.bias", "fc3.weight"],
-        ["fc2.bias"],
-        ["fc2.weight"],
-        ["fc1.bias"],
-        ["fc1.weight"],
-    ],
+    # 8 + 256 + 128 + 4096 = 4488 bytes, under the cap; fc1.bias takes the bucket past it
+    4500 * B: [["fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.bias"], ["fc1.weight"]],
+    # fc2.weight (4096 bytes) is larger than the cap: it closes the bucket it opens
+    300 * B: [["fc3.bias", "fc3.weight", "fc2.bias"], ["fc2.weight"], ["fc1.bias", "fc1.weight"]],
 }
 # Tricky's trainable gradients: inp.weight 160 B, inp.bias 32, mid.weight 256, out 64 and 8
 TRICKY_CAPS = {
     25.0: [["out.bias", "out.weight", "mid.weight", "inp.bias", "inp.weight"]],
     0.0: [["out.bias"], ["out.weight"], ["mid.weight"], ["inp.bias"], ["inp.weight"]],
-    100 * B: [["out.bias", "out.weight"], ["mid.weight"], ["inp.bias"], ["inp.weight"]],
+    100 * B: [["out.bias", "out.weight", "mid.weight"], ["inp.bias", "inp.weight"]],
 }
 
 
@@ -379,10 +374,34 @@ def test_bucket_assignment():
     assert bucket_assignment([4, 4, 4], 100) == [[2, 1, 0]]
     assert bucket_assignment([4, 4, 4], 0) == [[2], [1], [0]]
     assert bucket_assignment([4, 4, 4], 8) == [[2, 1], [0]]
-    # a parameter larger than the cap is alone; its neighbours start new buckets
-    assert bucket_assignment([1, 50, 1, 1], 8) == [[3, 2], [1], [0]]
+    # the parameter that takes a bucket past the cap is its last, as in torch
+    assert bucket_assignment([4, 4, 4], 6) == [[2, 1], [0]]
+    assert bucket_assignment([1, 50, 1, 1], 8) == [[3, 2, 1], [0]]
     with pytest.raises(ValueError, match="0 or more bytes"):
         bucket_assignment([1], -1)
+
+
+def _torch_assignment(param_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+    """torch's DDP's own assignment (its reducer's C++), for float32 gradients of these sizes,
+    given in reverse registration order as DDP gives them, with one cap for every bucket."""
+    n = len(param_bytes)
+    tensors = [torch.empty(b // 4) for b in reversed(param_bytes)]
+    got, _ = dist._compute_bucket_assignment_by_size(tensors, [cap_bytes])
+    return [[n - 1 - i for i in bucket] for bucket in got]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bucket_assignment_is_torchs(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 30, (1,), generator=g))
+    param_bytes = (4 * torch.randint(1, 200, (n,), generator=g)).tolist()
+    for cap in (4, 100, 400, int(torch.randint(1, 2000, (1,), generator=g)), 10**6):
+        assert bucket_assignment(param_bytes, cap) == _torch_assignment(param_bytes, cap), cap
+    # and on the course's Transformer, at the caps chapter 7 uses
+    sizes = [4 * p.numel() for p in models.TinyTransformer().parameters()]
+    for cap_mb in (0.005, 0.02, 0.1, 0.25, 0.4, 1):
+        cap = int(cap_mb * MB)
+        assert bucket_assignment(sizes, cap) == _torch_assignment(sizes, cap), cap_mb
 
 
 def timeline_on_rank() -> list:

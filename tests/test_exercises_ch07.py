@@ -28,16 +28,16 @@ def pools():
 def buckets_in_forward_order(sizes, cap):
     buckets, current, size = [], [], 0
     for i, s in enumerate(sizes):
-        if current and size + s > cap:
-            buckets.append(current)
-            current, size = [], 0
         current.append(i)
         size += s
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
     return buckets + ([current] if current else [])
 
 
-# torch's rule (add, then close the bucket once it reaches the cap), as the check knows it.
-buckets_that_spill = ch07._spilling
+# closing a bucket before the parameter that would take it past the cap (none exceeds it)
+buckets_that_close_early = ch07._closing_early
 
 
 def one_bucket_each_but_forgets_the_last(sizes, cap):
@@ -48,8 +48,8 @@ def test_bucket_check():
     assert run_check("ex-7-buckets", buckets.bucket_assignment).passed
     result = run_check("ex-7-buckets", buckets_in_forward_order)
     assert not result.passed and "last parameter backwards" in result.message
-    result = run_check("ex-7-buckets", buckets_that_spill)
-    assert not result.passed and "goes over the cap" in result.message
+    result = run_check("ex-7-buckets", buckets_that_close_early)
+    assert not result.passed and "before a parameter that would take it past" in result.message
     result = run_check("ex-7-buckets", one_bucket_each_but_forgets_the_last)
     assert not result.passed and "exactly one bucket" in result.message
 

@@ -1,11 +1,12 @@
 """Gradient buckets: the part of DDP that groups gradients and launches their all-reduces.
 
-:func:`bucket_assignment` groups parameters, in reverse registration order, into buckets of at
-most ``cap_bytes``; a :class:`Bucket` is one flat tensor whose slices *are* the parameters'
-``.grad`` (like torch's ``gradient_as_bucket_view=True``); :class:`BucketManager`, the reducer,
-counts the gradients as they arrive and launches one asynchronous all-reduce per full bucket,
-in bucket order. :class:`dpcourse.ddp.DDP` drives it from autograd hooks. The split follows
-picotron's ``data_parallel.py`` / ``bucket.py``; the names follow PyTorch's DDP design note.
+:func:`bucket_assignment` groups parameters, in reverse registration order, into buckets that
+close once they reach ``cap_bytes`` (torch's rule); a :class:`Bucket` is one flat tensor whose
+slices *are* the parameters' ``.grad`` (like torch's ``gradient_as_bucket_view=True``);
+:class:`BucketManager`, the reducer, counts the gradients as they arrive and launches one
+asynchronous all-reduce per full bucket, in bucket order. :class:`dpcourse.ddp.DDP` drives it
+from autograd hooks. The split follows picotron's ``data_parallel.py`` / ``bucket.py``; the
+names follow PyTorch's DDP design note.
 
 What is not here: torch's smaller first bucket (1 MiB, so that communication starts early), the
 bucket order rebuilt after the first step from the order gradients arrived in, communication
@@ -34,9 +35,12 @@ def bucket_assignment(param_bytes: Sequence[int], cap_bytes: float) -> list[list
     bytes, in registration order; returns lists of indices, first bucket first.
 
     Buckets are filled in *reverse* registration order, because backward produces the last
-    layer's gradients first. A bucket takes parameters while its size stays within
-    ``cap_bytes``; a parameter larger than the cap gets a bucket of its own (torch's DDP would
-    let it spill into the current bucket). ``cap_bytes=0`` gives one bucket per parameter.
+    layer's gradients first. A bucket takes parameters until its size reaches ``cap_bytes``: the
+    parameter that brings it to the cap or past it is its last. This is torch's rule
+    (``torch.distributed._compute_bucket_assignment_by_size``, which ``tests/test_ddp.py``
+    compares against), so a bucket can exceed the cap by less than its last parameter, and a
+    parameter larger than the cap closes the bucket it joins. ``cap_bytes=0`` gives one bucket
+    per parameter. Chapter 7.
     """
     if cap_bytes < 0:
         raise ValueError(f"the bucket cap must be 0 or more bytes, got {cap_bytes}")
@@ -44,11 +48,11 @@ def bucket_assignment(param_bytes: Sequence[int], cap_bytes: float) -> list[list
     current: list[int] = []
     size = 0
     for i in reversed(range(len(param_bytes))):
-        if current and size + param_bytes[i] > cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
         current.append(i)
         size += param_bytes[i]
+        if size >= cap_bytes:  # full: the next parameter starts a new bucket
+            buckets.append(current)
+            current, size = [], 0
     if current:
         buckets.append(current)
     return buckets

@@ -7,7 +7,7 @@
 3. :class:`PerParameterDDP`: the same all-reduces, launched asynchronously (``async_op=True``)
    from autograd hooks (``register_post_accumulate_grad_hook``) while backward is still running,
    and waited for in :meth:`~PerParameterDDP.finish_gradient_synchronization`.
-4. :class:`DDP`: gradients grouped into buckets of at most ``bucket_cap_mb``, one asynchronous
+4. :class:`DDP`: gradients grouped into buckets of about ``bucket_cap_mb``, one asynchronous
    all-reduce per bucket as soon as it is full (the buckets and the reducer,
    :class:`~dpcourse.buckets.BucketManager`, are in :mod:`dpcourse.buckets`).
 
@@ -190,8 +190,9 @@ class DDP(nn.Module):
     """DistributedDataParallel from scratch (chapter 7, step 4): bucketed, overlapped.
 
     ``DDP(module)`` broadcasts rank 0's parameters and buffers, then puts the gradients of the
-    parameters that require one into buckets of at most ``bucket_cap_mb`` MiB (reverse
-    registration order; ``0`` gives one bucket per parameter, ``None`` torch's default of 25).
+    parameters that require one into buckets of ``bucket_cap_mb`` MiB (reverse registration
+    order; a bucket closes once it reaches the cap, as torch's do; ``0`` gives one bucket per
+    parameter, ``None`` torch's default of 25).
     During backward a hook per parameter moves its gradient into its bucket; with
     ``overlap=True`` a full bucket's all-reduce starts at once, asynchronously, while backward
     goes on; with ``overlap=False`` every bucket is sent after backward. Gradients are averaged

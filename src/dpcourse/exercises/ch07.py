@@ -22,15 +22,16 @@ def _forward_order(sizes: list[int], cap: float) -> list[list[int]]:
     return [[n - 1 - i for i in b] for b in bucket_assignment(sizes[::-1], cap)]
 
 
-def _spilling(sizes: list[int], cap: float) -> list[list[int]]:
-    """torch's rule: add, then close the bucket once it reaches the cap."""
+def _closing_early(sizes: list[int], cap: float) -> list[list[int]]:
+    """A plausible wrong rule: close the bucket *before* a parameter that would take it past the
+    cap (a parameter larger than the cap alone), so that no bucket exceeds the cap."""
     buckets, current, size = [], [], 0
     for i in reversed(range(len(sizes))):
-        current.append(i)
-        size += sizes[i]
-        if size >= cap:
+        if current and size + sizes[i] > cap:
             buckets.append(current)
             current, size = [], 0
+        current.append(i)
+        size += sizes[i]
     return buckets + ([current] if current else [])
 
 
@@ -50,8 +51,9 @@ BUCKET_CASES = [
 @exercise("ex-7-buckets", function="my_bucket_assignment", timeout=20)
 def bucket_assignment(fn: Callable) -> str:
     """``fn(param_bytes, cap_bytes)`` groups parameter indices into buckets like
-    :func:`dpcourse.buckets.bucket_assignment`: reverse order, at most ``cap_bytes`` per bucket,
-    a parameter larger than the cap alone."""
+    :func:`dpcourse.buckets.bucket_assignment` (torch's rule): reverse order, a bucket closes
+    once it reaches ``cap_bytes``. Rejects forward order and closing before the cap is reached
+    (a rule that keeps every bucket within the cap), saying which it was."""
     from dpcourse.buckets import bucket_assignment as reference
 
     for sizes, cap in BUCKET_CASES:
@@ -76,18 +78,22 @@ def bucket_assignment(fn: Callable) -> str:
                 "produces the last layer's gradients first, so fill buckets from the "
                 f"last parameter backwards: expected {want}"
             )
-        if [b for b in got if b] == _spilling(sizes, cap):
+        if [b for b in got if b] == _closing_early(sizes, cap):
             raise Mismatch(
-                f"{where}: you got {got}, where a bucket goes over the cap by its "
-                "last parameter. Close the bucket before a parameter that would not "
-                f"fit (a parameter larger than the cap gets its own): expected {want}"
+                f"{where}: you got {got}: you close a bucket before a parameter that would "
+                "take it past the cap. torch's DDP adds that parameter, then closes the "
+                "bucket (a bucket ends once it reaches the cap, so it can exceed the cap by "
+                f"its last parameter): expected {want}"
             )
-        for b in got:
+        for b in got[:-1]:
             total = sum(sizes[i] for i in b)
-            if len(b) > 1 and total > cap:
-                raise Mismatch(f"{where}: bucket {b} holds {total} bytes, more than the cap")
+            if total < cap:
+                raise Mismatch(
+                    f"{where}: bucket {b} holds {total} bytes and was closed before reaching "
+                    f"the cap of {cap}: expected {want}"
+                )
         raise Mismatch(f"{where}: expected {want}, got {got}")
-    return "reverse order, caps respected, large parameters alone, for every case tried"
+    return "reverse order, each bucket closed once it reaches the cap, for every case tried"
 
 
 # ------------------------------------------------------------------------------ the hook
