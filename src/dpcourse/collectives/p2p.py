@@ -30,6 +30,8 @@ import torch.distributed as dist
 __all__ = [
     "Traffic",
     "count_traffic",
+    "counted_like",
+    "active_counters",
     "not_counted",
     "send",
     "recv",
@@ -99,6 +101,24 @@ def library_collectives_forbidden() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def counted_like(counters: list[Traffic]) -> Iterator[None]:
+    """Count this thread's messages inside the block into ``counters``: the list that
+    ``active_counters()`` returned on another thread. Chapter 9's FSDP runs its collectives on a
+    thread of their own; the caller's :func:`count_traffic` still sees them this way."""
+    saved = getattr(_counting, "active", None)
+    _counting.active = list(counters)
+    try:
+        yield
+    finally:
+        _counting.active = saved if saved is not None else []
+
+
+def active_counters() -> list[Traffic]:
+    """The :func:`count_traffic` blocks active on this thread (for :func:`counted_like`)."""
+    return list(getattr(_counting, "active", None) or [])
 
 
 @contextlib.contextmanager

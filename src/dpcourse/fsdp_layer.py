@@ -1,0 +1,210 @@
+"""One fully sharded layer: its parameters cut into rows, gathered for use, freed after (chapter 9).
+
+:class:`ShardedLayer` is what torch's FSDP2 calls a parameter group: the parameters of one layer
+(a submodule), sharded together and gathered together in one collective.
+
+* **Shard.** Each parameter is cut along dim 0 into N pieces, as
+  :func:`~dpcourse.collectives.ops.chunk_bounds` cuts its rows (the first ``rows % N`` ranks get
+  one row more; a rank can get none). Rank r keeps its rows as an fp32 ``nn.Parameter``, the
+  shard, which the layer's module holds between uses.
+* **Gather.** The layer's gather buffer is laid out rank by rank: rank r's chunk is its shards
+  of every parameter, end to end. Each rank copies its shards into its chunk (cast to the
+  compute dtype first, so the traffic is in that dtype) and the ring all-gather of chapter 6
+  fills the other chunks. The rows are then copied out into the full parameters.
+* **Free.** A full parameter keeps its tensor object for autograd (the layer's backward saved
+  it) and loses its memory: ``untyped_storage().resize_(0)``. Gathering again before backward
+  gives it memory back and copies the rows into it, without autograd noticing (``.data``).
+* **Reduce-scatter.** The layer's gradients, cast to fp32, are laid out rank by rank as the
+  gather buffer is (trainable parameters only); after the ring reduce-scatter rank r's chunk
+  is the sum of its rows' gradients, which it divides by N and adds to its shards' ``.grad``.
+
+:class:`CommThread` runs the collectives on one thread, in the order they are submitted: the same
+on every rank, as a CUDA stream would run them. The layer's compute goes on meanwhile.
+
+Chapter 9: fully sharded data parallelism, one layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcourse.collectives.ops import chunk_bounds
+from dpcourse.collectives.p2p import active_counters, counted_like
+from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
+
+__all__ = ["CommThread", "ShardedLayer", "shard_rows"]
+
+
+def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """(first row, end row) of each rank's shard of a parameter with ``rows`` rows (dim 0)."""
+    return chunk_bounds(rows, world_size)
+
+
+class CommThread:
+    """One thread that runs the collectives of a rank, one at a time, in the order they were
+    submitted: the FSDP hooks submit the same collectives in the same order on every rank, so
+    the ranks' rings match, while the main thread goes on computing (the overlap that FSDP's
+    prefetch buys). The caller's :func:`~dpcourse.collectives.count_traffic` sees the messages.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcourse-comm")
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        counters = active_counters()
+
+        def run() -> Any:
+            with counted_like(counters):
+                return fn(*args)
+
+        return self._pool.submit(run)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    *path, attr = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, attr
+
+
+@dataclass(eq=False)
+class ShardedLayer:
+    """The parameters of ``module`` (named ``name`` in the wrapped model), sharded over
+    ``world_size`` ranks; this rank is ``rank``. Built by :class:`dpcourse.fsdp.FSDP`."""
+
+    name: str
+    module: nn.Module
+    rank: int
+    world_size: int
+    compute_dtype: torch.dtype
+    param_names: list[str] = field(default_factory=list)
+    shards: list[nn.Parameter] = field(default_factory=list)
+    full: list[nn.Parameter] = field(default_factory=list)
+    bounds: list[list[tuple[int, int]]] = field(default_factory=list)  # per param, per rank
+    gather: Future | None = None  # the all-gather in flight or done; None: not gathered
+    arrived: int = 0  # gradients of trainable parameters arrived in this backward
+    reduced: bool = False  # this backward's reduce-scatter was submitted
+
+    @classmethod
+    def shard(cls, name: str, module: nn.Module, rank: int, world_size: int,
+              compute_dtype: torch.dtype | None) -> ShardedLayer:
+        """Replace every parameter of ``module`` by this rank's rows of it (fp32 masters)."""
+        layer = cls(name, module, rank, world_size, compute_dtype or torch.float32)
+        for pname, p in list(module.named_parameters()):
+            rows = p.shape[0] if p.dim() > 0 else 1
+            full_shape = p.shape if p.dim() > 0 else torch.Size([1])
+            bounds = shard_rows(rows, world_size)
+            r0, r1 = bounds[rank]
+            data = p.detach().reshape(full_shape)[r0:r1].to(torch.float32).clone()
+            shard = nn.Parameter(data, requires_grad=p.requires_grad)
+            full = nn.Parameter(torch.empty(p.shape, dtype=layer.compute_dtype, device=p.device),
+                                requires_grad=p.requires_grad)
+            full.untyped_storage().resize_(0)  # no memory until gathered
+            owner, attr = _owner(module, pname)
+            owner._parameters[attr] = shard
+            layer.param_names.append(pname)
+            layer.shards.append(shard)
+            layer.full.append(full)
+            layer.bounds.append(bounds)
+        return layer
+
+    # -------------------------------------------------------------------------- layout
+    def _row_numel(self, i: int) -> int:
+        shape = self.full[i].shape
+        return max(1, self.full[i].numel() // shape[0]) if len(shape) > 0 else 1
+
+    def chunk_numels(self, trainable_only: bool = False) -> list[int]:
+        """Elements of each rank's chunk of the gather (or reduce-scatter) buffer."""
+        idx = self.trainable() if trainable_only else range(len(self.full))
+        return [sum(self._row_numel(i) * (self.bounds[i][k][1] - self.bounds[i][k][0])
+                    for i in idx) for k in range(self.world_size)]
+
+    def trainable(self) -> list[int]:
+        return [i for i, s in enumerate(self.shards) if s.requires_grad]
+
+    def full_bytes(self) -> int:
+        """Bytes of the full parameters that hold memory now."""
+        return sum(f.untyped_storage().nbytes() for f in self.full)
+
+    # ------------------------------------------------------------ on the communication thread
+    def all_gather(self, into: list[torch.Tensor] | None = None) -> None:
+        """Gather every parameter whole into ``self.full``, in the compute dtype (runs on the
+        communication thread), or into the tensors ``into``, in their dtype (a full state
+        dict gathers the fp32 masters so)."""
+        if into is None:
+            for full in self.full:
+                if full.untyped_storage().nbytes() == 0:  # freed: memory again, same tensor
+                    full.untyped_storage().resize_(full.numel() * full.element_size())
+            into = [full.data for full in self.full]
+        sizes = self.chunk_numels()
+        flat = torch.empty(sum(sizes), dtype=into[0].dtype, device=into[0].device)
+        chunks = list(flat.split(sizes))
+        mine = [s.detach().reshape(-1) for s in self.shards]
+        chunks[self.rank].copy_(torch.cat(mine))  # the cast to the compute dtype is here
+        if self.world_size > 1:
+            ring_all_gather_(chunks, self.rank)
+        for k, chunk in enumerate(chunks):
+            offset = 0
+            for i, target in enumerate(into):
+                r0, r1 = self.bounds[i][k]
+                n = self._row_numel(i) * (r1 - r0)
+                if n:
+                    rows = target.view(-1, self._row_numel(i))[r0:r1]
+                    rows.copy_(chunk[offset : offset + n].view_as(rows))
+                offset += n
+
+    def reduce_scatter(self, flat_grad: torch.Tensor) -> None:
+        """Reduce-scatter the layer's fp32 gradients (laid out by :meth:`pack_grads`), average
+        them and add this rank's rows to the shards' ``.grad`` (communication thread)."""
+        chunks = list(flat_grad.split(self.chunk_numels(trainable_only=True)))
+        if self.world_size > 1:
+            ring_reduce_scatter_(chunks, "sum", self.rank)
+        mine = chunks[self.rank].div_(self.world_size)
+        offset = 0
+        for i in self.trainable():
+            shard = self.shards[i]
+            piece = mine[offset : offset + shard.numel()].view_as(shard)
+            offset += shard.numel()
+            if shard.grad is None:
+                shard.grad = piece.clone()
+            else:
+                shard.grad.add_(piece)
+
+    # ----------------------------------------------------------------------- main thread
+    def pack_grads(self) -> torch.Tensor:
+        """The full gradients in fp32, rank by rank (zeros where a parameter got none), and
+        the full gradients freed."""
+        pieces = []
+        for k in range(self.world_size):
+            for i in self.trainable():
+                full, (r0, r1) = self.full[i], self.bounds[i][k]
+                rows = r1 - r0
+                if full.grad is None:
+                    pieces.append(torch.zeros(rows * self._row_numel(i), device=full.device))
+                else:
+                    pieces.append(full.grad.reshape(-1, self._row_numel(i))[r0:r1]
+                                  .reshape(-1).float())
+        for full in self.full:
+            full.grad = None
+        return torch.cat(pieces) if pieces else torch.zeros(0)
+
+    def use_full(self, on: bool) -> None:
+        """Put the full parameters (``on``) or the shards back in the module."""
+        for name, shard, full in zip(self.param_names, self.shards, self.full, strict=True):
+            owner, attr = _owner(self.module, name)
+            owner._parameters[attr] = full if on else shard
+
+    def free(self) -> None:
+        """Give the full parameters' memory back (their tensor objects stay for autograd)."""
+        for full in self.full:
+            full.untyped_storage().resize_(0)
+        self.gather = None
