@@ -209,8 +209,10 @@ class FSDP(nn.Module):
         return state
 
     def gathered_bytes(self) -> int:
-        """Bytes of full (gathered) parameters this rank holds now."""
-        return sum(layer.full_bytes() for layer in self.layers)
+        """Bytes of full parameters this rank holds now, or is gathering (a prefetch in flight
+        counts: its memory is being filled)."""
+        return sum(sum(f.numel() * f.element_size() for f in layer.full)
+                   for layer in self.layers if layer.gather is not None or layer.full_bytes())
 
     def close(self) -> None:
         """Stop the communication thread (it also stops with the process)."""
