@@ -318,3 +318,40 @@ def test_no_process_group_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="no process group"):
         FSDP(make_net())
+
+
+# ----------------------------------------------------------------------- checkpoints
+def _resume_on_rank(directory: str) -> bool:
+    """5 steps, a sharded checkpoint (each rank its shards of the model and of AdamW's state),
+    5 more; then a fresh FSDP loads it and takes the same 5 steps: the same weights, bit for bit."""
+    from dpcourse import checkpoint
+    from dpcourse.fsdp import FSDP
+
+    def steps(fsdp, opt, first):
+        for s in range(first, first + 5):
+            x, y = batch(s, dist.get_rank())
+            opt.zero_grad()
+            nn.functional.mse_loss(fsdp(x), y).backward()
+            fsdp.finish_gradient_synchronization()
+            opt.step()
+
+    fsdp = FSDP(make_net(), layers=LAYERS)
+    opt = make_opt(fsdp.parameters())
+    steps(fsdp, opt, 0)
+    checkpoint.save_checkpoint(directory, 5, fsdp, opt, sharded_optimizer=True,
+                               sharded_model=True)
+    steps(fsdp, opt, 5)
+    straight = fsdp.full_state_dict()
+    again = FSDP(make_net(seed=1), layers=LAYERS)  # other weights until it loads
+    again_opt = make_opt(again.parameters())
+    assert checkpoint.load_checkpoint(directory, again, again_opt)["step"] == 5
+    steps(again, again_opt, 5)
+    resumed = again.full_state_dict()
+    return all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_a_sharded_checkpoint_resumes_exactly(tmp_path):
+    assert run_ranks(_resume_on_rank, 3, str(tmp_path), timeout=120) == [True] * 3
+    files = sorted(p.name for p in next(tmp_path.glob("step-*")).iterdir())
+    assert files == ["checkpoint.pt", *[f"model-rank{r:02d}-of03.pt" for r in range(3)],
+                     *[f"optimizer-rank{r:02d}-of03.pt" for r in range(3)]]

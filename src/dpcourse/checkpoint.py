@@ -5,7 +5,8 @@ Three rules make a checkpoint safe in data-parallel training:
 1. **One writer per file.** The replicas are identical, so rank 0 alone writes the model, the
    optimizer, the gradient scaler and the data position. Only state that differs between ranks is
    gathered from them: each rank's random-number generators (dropout, augmentation) and, for a
-   sharded optimizer (ZeRO, chapter 9), each rank's shard, which that rank writes itself.
+   sharded optimizer (ZeRO, chapter 9), each rank's shard, which that rank writes itself; for
+   sharded parameters (FSDP, ZeRO-3) each rank writes its shard of the model too.
 2. **Atomic writes.** :func:`atomic_save` writes to a temporary file in the same directory,
    flushes and fsyncs it, then renames it over the target with ``os.replace`` (atomic on POSIX):
    a reader sees the old file or the new one, never half of one.
@@ -21,6 +22,7 @@ Layout::
         step-00000010/
             checkpoint.pt               model, optimizer, scaler, progress, RNG state of every rank
             optimizer-rank00-of02.pt    only for a sharded optimizer: one file per rank
+            model-rank00-of02.pt        only for a sharded model (FSDP): one file per rank
 
 Resuming restores every generator, so a run that stops and resumes follows the same trajectory,
 bit for bit, as one that never stopped (``tests/test_checkpoint.py`` checks it with
@@ -151,8 +153,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def _shard_name(rank: int, world: int) -> str:
-    return f"optimizer-rank{rank:02d}-of{world:02d}.pt"
+def _shard_name(rank: int, world: int, what: str = "optimizer") -> str:
+    return f"{what}-rank{rank:02d}-of{world:02d}.pt"
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> dict | None:
@@ -174,6 +176,7 @@ def save_checkpoint(
     scheduler: Any = None,
     progress: dict | None = None,
     sharded_optimizer: bool = False,
+    sharded_model: bool = False,
     keep: int = 2,
 ) -> Path:
     """Save a checkpoint of training after ``step`` steps; call it on **every** rank.
@@ -181,7 +184,9 @@ def save_checkpoint(
     Rank 0 writes ``checkpoint.pt`` (model, optimizer unless sharded, scaler, LR scheduler,
     ``progress`` — for instance the epoch and the batch within it —, and the RNG state of every
     rank, gathered to it). With ``sharded_optimizer=True`` each rank writes its own optimizer state
-    (``optimizer.state_dict()`` of a ZeRO optimizer) to its own file. Then, after a barrier, rank
+    (``optimizer.state_dict()`` of a ZeRO optimizer) to its own file, and with
+    ``sharded_model=True`` its ``model.state_dict()`` (an FSDP model holds this rank's shards)
+    to another. Then, after a barrier, rank
     0 replaces ``latest.json`` and deletes all but the ``keep`` newest checkpoints. Every file is
     written atomically. Returns the checkpoint's directory. Used by :mod:`dpcourse.train`.
     """
@@ -204,11 +209,14 @@ def save_checkpoint(
     if sharded_optimizer:
         files += [_shard_name(r, world) for r in range(world)]
         atomic_save(optimizer.state_dict(), where / _shard_name(rank, world))
+    if sharded_model:
+        files += [_shard_name(r, world, "model") for r in range(world)]
+        atomic_save(_unwrap(model).state_dict(), where / _shard_name(rank, world, "model"))
     if rank == 0:
         state = {
             "step": step,
             "world_size": world,
-            "model": _unwrap(model).state_dict(),
+            "model": None if sharded_model else _unwrap(model).state_dict(),
             "optimizer": None if sharded_optimizer else optimizer.state_dict(),
             "scaler": scaler.state_dict() if scaler is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -224,6 +232,7 @@ def save_checkpoint(
             "path": name,
             "world_size": world,
             "sharded_optimizer": sharded_optimizer,
+            "sharded_model": sharded_model,
             "files": files,
         }
         _atomic_json(manifest, directory / MANIFEST)
@@ -264,16 +273,22 @@ def load_checkpoint(
         map_location = next(_unwrap(model).parameters()).device
     state = torch.load(where / CHECKPOINT_FILE, map_location=map_location, weights_only=True)
     saved_world = state["world_size"]
-    if saved_world != world and (restore_rng or manifest["sharded_optimizer"]):
-        if manifest["sharded_optimizer"]:
-            why, fix = "its optimizer state is sharded by rank", ""
+    sharded_model = manifest.get("sharded_model", False)
+    if saved_world != world and (restore_rng or manifest["sharded_optimizer"] or sharded_model):
+        if manifest["sharded_optimizer"] or sharded_model:
+            why, fix = "its state is sharded by rank", ""
         else:
             why, fix = "it holds each rank's random generators", ", or pass restore_rng=False"
         raise ValueError(
             f"the checkpoint {where} was written by {saved_world} ranks and this job has {world}: "
             f"{why}. Resume with {saved_world} ranks{fix}"
         )
-    _unwrap(model).load_state_dict(state["model"])
+    if sharded_model:
+        _unwrap(model).load_state_dict(torch.load(
+            where / _shard_name(rank, world, "model"), map_location=map_location, weights_only=True
+        ))
+    else:
+        _unwrap(model).load_state_dict(state["model"])
     if manifest["sharded_optimizer"]:
         shard = torch.load(
             where / _shard_name(rank, world), map_location=map_location, weights_only=True
