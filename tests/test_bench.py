@@ -42,3 +42,14 @@ def test_recorded_results_are_found_with_their_machine_and_date():
     assert record["command"].startswith("python -m dpcourse.bench cluster")
     assert record["date"] and record["machine"]["cpus"] >= 1
     assert bench.recorded("no-such-benchmark") is None
+
+
+def test_fsdp_benchmark_times_ours_against_fully_shard(tmp_path, capsys):
+    out = tmp_path / "fsdp.json"
+    assert bench.main(["fsdp", "--world-sizes", "2", "--repeats", "1", "--warmup", "1",
+                       "--width", "64", "--out-features", "33", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert [r["variant"] for r in record["rows"]] == ["fully_shard", "FSDP", "FSDP no prefetch"]
+    assert record["rows"][0]["over_fully_shard"] == 1.0
+    assert all(r["median_s"] > 0 for r in record["rows"])
+    assert "/fully_shard" in capsys.readouterr().out

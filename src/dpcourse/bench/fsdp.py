@@ -1,23 +1,38 @@
-"""What FSDP2 (ZeRO stage 3, ``torch.distributed.fsdp.fully_shard``) communicates, and when.
+"""``python -m dpcourse.bench fsdp``: our FSDP (ZeRO-3) against torch's FSDP2, and what it sends.
+
+The benchmark times training steps of the same model, with Adam, in three ways side by side:
+torch's ``fully_shard`` on every Linear layer and the root (FSDP2), :class:`dpcourse.fsdp.FSDP`
+with prefetch, and without. Each step (zero_grad, forward, backward, finishing the gradients,
+optimizer step) starts after a barrier and counts as long as its slowest rank; the variants
+take turns, and the table shows medians and the ratio to ``fully_shard``. The model is chapter
+9's MLP (:func:`dpcourse.bench.zero.make_mlp`), 4 layers of width 1024.
 
 :func:`record_collectives` logs the collectives Python code calls through ``torch.distributed``;
 :func:`fsdp_step_events` wraps a model's layers with ``fully_shard``, runs one forward and
 backward and returns the collectives between markers of each layer's forward and backward.
 Chapter 9's preview of stage 3 uses them; ``tests/test_zero.py`` checks them.
 
-Chapter 9: measuring what FSDP gathers when.
+Chapter 9: measuring FSDP.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
+import statistics
+import time
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["record_collectives", "fsdp_step_events"]
+__all__ = ["record_collectives", "fsdp_step_events", "make_variant", "time_on_rank"]
+
+HELP = "FSDP (ZeRO-3) step time: ours with and without prefetch vs torch's fully_shard"
+VARIANTS = ("fully_shard", "FSDP", "FSDP no prefetch")
+LR = 1e-4
 
 _COLLECTIVES = {  # torch.distributed function -> (what it is, which argument has the full size)
     "all_gather_single": ("all-gather", "output"),
@@ -104,3 +119,118 @@ def fsdp_step_events(
         local = sum(p.to_local().numel() for p in model.parameters())
         loss_fn(model(*inputs), target).backward()
     return log, local
+
+
+# ------------------------------------------------------------------------------ the benchmark
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--out-features", type=int, default=1001)
+
+
+def make_variant(name: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None], object]:
+    """``(module to call, what finishes the gradients, optimizer)`` for one of :data:`VARIANTS`
+    on every rank: torch's ``fully_shard`` on each child with parameters and on the root, or
+    :class:`dpcourse.fsdp.FSDP` (with or without prefetch) on the same children."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dpcourse.fsdp import FSDP
+
+    if name == "fully_shard":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for child in model.children():
+                if any(True for _ in child.parameters()):
+                    fully_shard(child)
+            fully_shard(model)
+        return model, lambda: None, torch.optim.Adam(model.parameters(), lr=LR)
+    if name in ("FSDP", "FSDP no prefetch"):
+        fsdp = FSDP(model, prefetch=name == "FSDP")
+        return fsdp, fsdp.finish_gradient_synchronization, torch.optim.Adam(fsdp.parameters(),
+                                                                            lr=LR)
+    raise ValueError(f"unknown variant {name!r}; the variants are {VARIANTS}")
+
+
+def time_on_rank(variants: tuple[str, ...], repeats: int, warmup: int, batch: int, width: int,
+                 out: int) -> dict[str, list[float]]:
+    """Runs on every rank: step times (slowest rank) per variant, interleaved."""
+    import copy
+
+    import torch.distributed as dist
+
+    from dpcourse import runtime
+    from dpcourse.bench.zero import make_mlp
+
+    rank, device = dist.get_rank(), runtime.device()
+    base = make_mlp(width, out).to(device)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randn(batch, out, generator=g).to(device)
+    runs = [(name, *make_variant(name, copy.deepcopy(base))) for name in variants]
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    slowest = torch.zeros(len(runs), dtype=torch.float64, device=device)
+    for i in range(warmup + repeats):
+        for k, (_, module, finish, opt) in enumerate(runs):
+            dist.barrier()
+            runtime.synchronize(device)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(module(x), y).backward()
+            finish()
+            opt.step()
+            runtime.synchronize(device)
+            slowest[k] = time.perf_counter() - t0
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i == 0:
+            _check_agreement(runs)
+        if i >= warmup:
+            for k, name in enumerate(variants):
+                times[name].append(float(slowest[k]))
+    for _, module, _, _ in runs:
+        if hasattr(module, "close"):
+            module.close()
+    return times
+
+
+def _check_agreement(runs) -> None:
+    """After one step every variant must hold the same weights (they saw the same data): a
+    benchmark of a wrong implementation would mean nothing."""
+    whole = []
+    for _, module, _, _ in runs:
+        if hasattr(module, "full_state_dict"):
+            state = module.full_state_dict()
+        else:
+            state = {k: v.full_tensor() for k, v in module.state_dict().items()}
+        whole.append(torch.cat([state[k].reshape(-1).float() for k in sorted(state)]))
+    for (name, *_), got in zip(runs[1:], whole[1:], strict=True):
+        torch.testing.assert_close(got, whole[0], rtol=1e-4, atol=1e-6, msg=f"{name} diverged")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from dpcourse.launch import run_ranks
+
+    width, out = args.width, args.out_features
+    rows = []
+    for n in args.world_sizes:
+        times = run_ranks(time_on_rank, n, VARIANTS, args.repeats, args.warmup, args.batch,
+                          width, out, timeout=1800)[0]
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        for name in VARIANTS:
+            rows.append({"world_size": n, "variant": name, "median_s": medians[name],
+                         "over_fully_shard": medians[name] / medians["fully_shard"]})
+    return {"num_params": 3 * (width * width + width) + width * out + out,
+            "model": f"MLP {width}-{width}-{width}-{width}-{out}", "batch_per_rank": args.batch,
+            "repeats": args.repeats, "rows": rows}
+
+
+def report(result: dict) -> None:
+    print(f"Adam on {result['model']} ({result['num_params']:,} parameters), batch "
+          f"{result['batch_per_rank']} per rank; median step of {result['repeats']} interleaved "
+          "(slowest rank); ratio to torch's fully_shard: lower is faster")
+    print(f"{'N':>2} {'variant':<18} {'median':>9} {'/fully_shard':>13}")
+    for r in result["rows"]:
+        print(f"{r['world_size']:>2} {r['variant']:<18} {r['median_s'] * 1e3:>7.1f}ms "
+              f"{r['over_fully_shard']:>13.3f}")
