@@ -355,3 +355,38 @@ def test_a_sharded_checkpoint_resumes_exactly(tmp_path):
     files = sorted(p.name for p in next(tmp_path.glob("step-*")).iterdir())
     assert files == ["checkpoint.pt", *[f"model-rank{r:02d}-of03.pt" for r in range(3)],
                      *[f"optimizer-rank{r:02d}-of03.pt" for r in range(3)]]
+
+
+# --------------------------------------------------------- what chapter 9 draws from
+def test_the_timeline_records_every_layers_gathers_compute_and_reduce_scatter():
+    from dpcourse.bench.fsdp import timeline_on_rank
+
+    for prefetch in (True, False):
+        events = run_ranks(timeline_on_rank, 2, prefetch, 8, 64, 33, timeout=120)[0]
+        kinds = {(layer, kind) for layer, kind, _, _ in events}
+        for layer in ("0", "2", "4", "6"):
+            for kind in ("all-gather", "forward", "backward", "reduce-scatter"):
+                assert (layer, kind) in kinds, (prefetch, layer, kind)
+        finished = [e for e in events if e[0] == "step"][0][3]
+        assert all(end <= finished + 1e-9 for _, _, _, end in events)
+        forward_0 = next(e for e in events if e[:2] == ("0", "forward"))
+        queued_2 = next(e for e in events if e[:2] == ("2", "queued"))
+        # with prefetch layer 2's gather is submitted before layer 0 computes; without, after
+        if prefetch:
+            assert queued_2[2] < forward_0[2]
+        else:
+            assert queued_2[2] > forward_0[3]
+
+
+def test_memory_by_stage_agrees_with_the_estimator():
+    from dpcourse.bench.fsdp import memory_by_stage_on_rank
+
+    width, out = 64, 33
+    held = run_ranks(memory_by_stage_on_rank, 2, width, out, timeout=120)[0]
+    psi = 3 * (width * width + width) + width * out + out
+    rows = 3 * width + width  # one row of each weight and bias, 4 bytes per element
+    for stage, parts in held.items():
+        want = memory_per_rank(psi, 2, stage=stage, precision="fp32", optimizer="adam")
+        for part, measured in parts.items():
+            extra = 4 * psi // 2 if (stage, part) == (1, "gradients") else 0  # shard.grad
+            assert abs(measured - getattr(want, part) - extra) <= 4 * 2 * rows, (stage, part)

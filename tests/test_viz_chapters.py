@@ -132,6 +132,21 @@ def test_state_per_rank_plot_one_panel_per_world_size_and_bars_per_rank():
     assert "1,234 parameters" in fig.get_suptitle()
 
 
+def test_fsdp_timeline_a_row_per_layer_a_bar_per_event():
+    events = [("0", "all-gather", 0.0, 0.002), ("0", "forward", 0.002, 0.003),
+              ("1", "all-gather", 0.002, 0.004), ("1", "forward", 0.004, 0.005),
+              ("1", "backward", 0.005, 0.007), ("1", "reduce-scatter", 0.007, 0.008),
+              ("step", "finished", 0.009, 0.009)]
+    fig = viz_zero.plot_fsdp_timeline({"prefetch=True": events, "prefetch=False": events[:3]
+                                       + [("step", "finished", 0.005, 0.005)]}, "MLP, 2 ranks")
+    top, bottom = fig.axes
+    assert len(top.patches) == 6 and len(bottom.patches) == 3
+    assert [t.get_text() for t in top.get_yticklabels()] == ["layer 0", "layer 1"]
+    assert "synchronised after 9.0 ms" in top.get_title(loc="left")
+    assert legend(top) == ["all-gather", "forward", "backward", "reduce-scatter"]
+    assert top.lines[0].get_xdata()[0] == pytest.approx(9.0)
+
+
 # chapter 10
 
 NS = [1, 2, 4, 8, 16]

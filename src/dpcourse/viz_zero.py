@@ -1,4 +1,5 @@
-"""Plots of chapter 9: memory per rank under ZeRO, and the optimizer state each rank holds.
+"""Plots of chapter 9: memory per rank under ZeRO, the optimizer state each rank holds, and a
+timeline of FSDP's gathers, compute and reduce-scatters.
 
 Each function takes what the chapter has already computed (bytes per rank from
 :func:`~dpcourse.zero_memory.zero_memory_per_rank`, state bytes measured by
@@ -15,7 +16,10 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-__all__ = ["plot_memory_per_rank", "plot_state_per_rank"]
+__all__ = ["plot_memory_per_rank", "plot_state_per_rank", "plot_fsdp_timeline"]
+
+_FSDP_COLOURS = {"all-gather": "tab:blue", "forward": "tab:grey", "backward": "dimgrey",
+                 "reduce-scatter": "tab:orange"}
 
 
 def plot_memory_per_rank(
@@ -66,4 +70,37 @@ def plot_state_per_rank(
     axes[0, 0].set_ylabel("optimizer state / unsharded")
     axes[0, 0].legend(fontsize=8)
     fig.suptitle(f"Adam state per rank, measured (dashed: 1/N); {num_params:,} parameters")
+    return fig
+
+
+def plot_fsdp_timeline(timelines: Mapping[str, Sequence[tuple[str, str, float, float]]],
+                       title: str) -> Figure:
+    """One panel per recorded step (e.g. ``{"prefetch=True": events, ...}`` from
+    :func:`~dpcourse.bench.fsdp.timeline_on_rank`): a row per layer, with its all-gathers,
+    forward and backward compute and reduce-scatter as bars, and the end of the step (the
+    gradients synchronised) as a dotted line. Chapter 9."""
+    layers = sorted({e[0] for t in timelines.values() for e in t if e[0] != "step"}, key=str)
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(8, 1.4 + 1.1 * len(layers)),
+                             sharex=True, layout="constrained", squeeze=False)
+    for ax, (name, events) in zip(axes[:, 0], timelines.items(), strict=True):
+        seen = set()
+        for layer, kind, start, end in events:
+            if layer == "step":
+                ax.axvline(end * 1e3, ls=":", color="k")
+                ax.set_title(f"{name}: gradients synchronised after {end * 1e3:.1f} ms",
+                             fontsize=9, loc="left")
+                continue
+            if kind not in _FSDP_COLOURS:  # instants such as "queued"
+                continue
+            row = layers.index(layer)
+            comm = kind in ("all-gather", "reduce-scatter")
+            ax.barh(row + (0.2 if comm else -0.2), (end - start) * 1e3, left=start * 1e3,
+                    height=0.35, color=_FSDP_COLOURS[kind],
+                    label=None if kind in seen else kind)
+            seen.add(kind)
+        ax.set_yticks(range(len(layers)), [f"layer {n}" for n in layers])
+        ax.invert_yaxis()
+        ax.legend(fontsize=7, loc="lower right", ncol=4)
+    axes[-1, 0].set_xlabel("time since the step began (ms)")
+    fig.suptitle(title, fontsize=9)
     return fig

@@ -234,3 +234,117 @@ def report(result: dict) -> None:
     for r in result["rows"]:
         print(f"{r['world_size']:>2} {r['variant']:<18} {r['median_s'] * 1e3:>7.1f}ms "
               f"{r['over_fully_shard']:>13.3f}")
+
+
+# --------------------------------------------------------------- what chapter 9 measures
+def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
+                     out: int = 1001) -> list[tuple[str, str, float, float]]:
+    """Runs on every rank: record the second training step of the MLP under
+    :class:`dpcourse.fsdp.FSDP` (the first records the layers' order for prefetch). Returns
+    ``(layer, kind, start_s, end_s)`` per event, relative to the step's start, where kind is
+    "all-gather" and "reduce-scatter" (on the communication thread), "forward" and "backward"
+    (the layer's compute, from its parameters being there to its output or last gradient), and
+    "queued" (an instant: when the layer's all-gather was submitted)."""
+    import torch.distributed as dist
+
+    from dpcourse.bench.zero import make_mlp
+    from dpcourse.fsdp import FSDP
+
+    rank = dist.get_rank()
+    fsdp = FSDP(make_mlp(width, out), prefetch=prefetch)
+    opt = torch.optim.Adam(fsdp.parameters(), lr=LR)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, out, generator=g)
+    events: list[tuple[str, str, float, float]] = []
+    t0 = [0.0]
+
+    def now() -> float:
+        return time.perf_counter() - t0[0]
+
+    def timed(layer, kind, method):
+        def run(*args):
+            start = now()
+            method(*args)
+            events.append((layer.name, kind, start, now()))
+        return run
+
+    submit_gather = fsdp._gather
+
+    def queued(layer) -> None:  # when a layer's all-gather is submitted (a prefetch: early)
+        if layer.gather is None:
+            events.append((layer.name, "queued", now(), now()))
+        submit_gather(layer)
+
+    fsdp._gather = queued
+    for layer in fsdp.layers:
+        layer.all_gather = timed(layer, "all-gather", layer.all_gather)
+        layer.reduce_scatter = timed(layer, "reduce-scatter", layer.reduce_scatter)
+        began: dict[str, float] = {}
+
+        def forward_started(module, args, layer=layer, began=began):
+            began["forward"] = now()
+
+        def forward_done(module, args, output, layer=layer, began=began):
+            events.append((layer.name, "forward", began["forward"], now()))
+            output.register_hook(lambda grad: began.__setitem__("backward", now()))
+
+        def gradient_done(param, layer=layer, began=began):
+            if layer.arrived == len(layer.trainable()):  # FSDP's hook counted it already
+                events.append((layer.name, "backward", began["backward"], now()))
+
+        layer.module.register_forward_pre_hook(forward_started)  # after FSDP's: gathered
+        layer.module.register_forward_hook(forward_done)
+        for i in layer.trainable():
+            layer.full[i].register_post_accumulate_grad_hook(gradient_done)
+    for _ in range(2):
+        dist.barrier()
+        events.clear()
+        t0[0] = time.perf_counter()
+        opt.zero_grad()
+        nn.functional.mse_loss(fsdp(x), y).backward()
+        fsdp.finish_gradient_synchronization()
+        events.append(("step", "finished", now(), now()))
+        opt.step()
+    fsdp.close()
+    return sorted(events, key=lambda e: e[2])
+
+
+def memory_by_stage_on_rank(width: int = 1024, out: int = 1001,
+                            batch: int = 8) -> dict[int, dict[str, int]]:
+    """Runs on every rank: after one Adam step of the MLP, the bytes this rank holds in
+    parameters, gradients and optimizer state (counted tensor by tensor; Adam's step counters
+    left out) at ZeRO stages 0 (plain data parallelism), 1 and 2 (:class:`~dpcourse.zero.
+    ShardedOptimizer`) and 3 (:class:`~dpcourse.fsdp.FSDP` with a torch Adam on its shards)."""
+    import torch.distributed as dist
+
+    from dpcourse.bench.zero import make_mlp
+    from dpcourse.fsdp import FSDP
+    from dpcourse.memory_measurement import optimizer_state_bytes
+    from dpcourse.zero import ShardedOptimizer
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, out, generator=g)
+    held = {}
+    for stage in range(4):
+        model = make_mlp(width, out)
+        if stage == 3:
+            module = FSDP(model)
+            opt = torch.optim.Adam(module.parameters(), lr=LR)
+        elif stage:
+            module, opt = model, ShardedOptimizer(model.parameters(), torch.optim.Adam,
+                                                   stage=stage, lr=LR)
+        else:
+            module, opt = model, torch.optim.Adam(model.parameters(), lr=LR)
+        nn.functional.mse_loss(module(x), y).backward()
+        if stage == 3:
+            module.finish_gradient_synchronization()
+        opt.step()
+        params = list(module.parameters())
+        grads = sum(p.grad.nbytes for p in params if p.grad is not None)
+        grads += opt.gradient_bytes() if isinstance(opt, ShardedOptimizer) else 0
+        counters = sum(1 for s in opt.state.values() if "step" in s)
+        held[stage] = {"parameters": sum(p.nbytes for p in params), "gradients": grads,
+                       "optimizer_state": optimizer_state_bytes(opt) - 4 * counters}
+        if stage == 3:
+            module.close()
+    return held
