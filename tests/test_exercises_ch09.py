@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch.distributed as dist
 
@@ -149,3 +151,48 @@ def test_sharded_step_not_attempted():
         raise NotImplementedError("write it")
 
     assert run_check("ex-9-sharded-step", stub).status == "not attempted"
+
+
+# ------------------------------------------------------------------------------ FSDP
+def flat_chunks(shapes, world):  # ZeRO's flat split of the layer's elements
+    from dpcourse.collectives.ops import chunk_bounds
+
+    total = sum(math.prod(s) for s in shapes)
+    return [e - s for s, e in chunk_bounds(total, world)]
+
+
+def leftover_rows_to_last(shapes, world):
+    sizes = [0] * world
+    for rows, *rest in shapes:
+        for k in range(world):
+            sizes[k] += (rows // world + (rows % world if k == world - 1 else 0)) * math.prod(rest)
+    return sizes
+
+
+def test_fsdp_chunks_check():
+    from dpcourse.fsdp_layer import gather_chunk_numels
+
+    assert run_check("ex-9-fsdp-chunks", gather_chunk_numels).passed
+    result = run_check("ex-9-fsdp-chunks", flat_chunks)
+    assert not result.passed and "cuts each parameter by rows" in result.message
+    result = run_check("ex-9-fsdp-chunks", leftover_rows_to_last)
+    assert not result.passed and "every leftover row" in result.message
+    result = run_check("ex-9-fsdp-chunks", lambda shapes, w: [s[0] for s in shapes][:w])
+    assert not result.passed
+
+
+def test_fsdp_order_check():
+    from dpcourse.exercises.ch09 import BACKWARD_STEPS
+
+    right = list(BACKWARD_STEPS)
+    assert run_check("ex-9-fsdp-order", lambda: right).passed
+    also_right = [right[0], right[1], right[4], right[2], right[3]]  # free parameters first
+    assert run_check("ex-9-fsdp-order", lambda: also_right).passed
+    early_free = [right[0], right[4], right[1], right[2], right[3]]
+    result = run_check("ex-9-fsdp-order", lambda: early_free)
+    assert not result.passed and "before backward has used them" in result.message
+    grads_gone = [right[0], right[1], right[3], right[2], right[4]]
+    result = run_check("ex-9-fsdp-order", lambda: grads_gone)
+    assert not result.passed and "before the reduce-scatter has sent them" in result.message
+    result = run_check("ex-9-fsdp-order", lambda: right[:4])
+    assert not result.passed and "each of" in result.message

@@ -38,12 +38,28 @@ from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.collectives.p2p import active_counters, counted_like
 from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
 
-__all__ = ["CommThread", "ShardedLayer", "shard_rows"]
+__all__ = ["CommThread", "ShardedLayer", "shard_rows", "gather_chunk_numels"]
 
 
 def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
     """(first row, end row) of each rank's shard of a parameter with ``rows`` rows (dim 0)."""
     return chunk_bounds(rows, world_size)
+
+
+def gather_chunk_numels(shapes: list[tuple[int, ...]], world_size: int) -> list[int]:
+    """Elements of each rank's chunk of a layer's gather buffer, for parameters of ``shapes``:
+    rank r's chunk holds its rows of every parameter, a row of a ``(rows, *rest)`` parameter
+    being ``prod(rest)`` elements (a 0-dimensional parameter counts as one row of one).
+    Chapter 9's exercise ex-9-fsdp-chunks asks for it."""
+    sizes = [0] * world_size
+    for shape in shapes:
+        rows = shape[0] if len(shape) else 1
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        for k, (r0, r1) in enumerate(shard_rows(rows, world_size)):
+            sizes[k] += row * (r1 - r0)
+    return sizes
 
 
 class CommThread:
@@ -125,8 +141,7 @@ class ShardedLayer:
     def chunk_numels(self, trainable_only: bool = False) -> list[int]:
         """Elements of each rank's chunk of the gather (or reduce-scatter) buffer."""
         idx = self.trainable() if trainable_only else range(len(self.full))
-        return [sum(self._row_numel(i) * (self.bounds[i][k][1] - self.bounds[i][k][0])
-                    for i in idx) for k in range(self.world_size)]
+        return gather_chunk_numels([tuple(self.full[i].shape) for i in idx], self.world_size)
 
     def trainable(self) -> list[int]:
         return [i for i, s in enumerate(self.shards) if s.requires_grad]

@@ -5,6 +5,7 @@ Chapter 9: exercise checks for sharded optimizers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -205,3 +206,85 @@ def sharded_step(fn: Callable) -> str:
         if problems:
             raise Mismatch(problems[0])
     return "reduce-scatter, a step on the shard and all-gather equal SGD on 2, 3 and 4 ranks"
+
+
+# --------------------------------------------------------------------------- FSDP (stage 3)
+CHUNK_CASES = [
+    ([(7, 5), (7,)], 2),  # a Linear(5, 7): 7 rows do not split evenly
+    ([(9, 7), (9,), (6, 9), (6,)], 4),
+    ([(2, 6), (2,)], 4),  # fewer rows than ranks: two ranks hold nothing
+    ([(8, 3), (8,)], 4),  # even
+    ([(5, 4, 3)], 3),  # a row of a 3-D parameter is 4 x 3 elements
+]
+
+
+@exercise("ex-9-fsdp-chunks", function="my_gather_chunks", timeout=10)
+def fsdp_chunks(fn: Callable) -> str:
+    """``fn(shapes, world_size)``: the elements of each rank's chunk of an FSDP layer's gather
+    buffer (each parameter cut by rows along dim 0, as the ring's chunks cut elements). Rejects
+    a flat split of the layer's elements and a remainder of rows given to the last rank."""
+    from dpcourse.collectives.ops import chunk_bounds
+    from dpcourse.fsdp_layer import gather_chunk_numels as reference
+
+    for shapes, world in CHUNK_CASES:
+        want = reference(shapes, world)
+        got = call_learner(fn, [tuple(s) for s in shapes], world)
+        try:
+            got = [int(n) for n in got]
+        except (TypeError, ValueError):
+            raise Mismatch(f"shapes={shapes}, world_size={world}: expected a list of "
+                           f"{world} numbers of elements, got {got!r}") from None
+        if got == want:
+            continue
+        where = f"shapes={shapes}, world_size={world}: expected {want}, got {got}."
+        total = sum(math.prod(s) for s in shapes)
+        if got == [e - s for s, e in chunk_bounds(total, world)]:
+            raise Mismatch(f"{where} That splits the layer's elements evenly, as ZeRO's flat "
+                           "buffer does; FSDP cuts each parameter by rows (dim 0), so a rank "
+                           "holds whole rows of every parameter.")
+        last = [0] * world
+        for shape in shapes:
+            rows, row = shape[0], math.prod(shape[1:])
+            for k in range(world):
+                n = rows // world + (rows % world if k == world - 1 else 0)
+                last[k] += n * row
+        if got == last:
+            raise Mismatch(f"{where} The last rank gets every leftover row: spread them, one "
+                           "more row each for the first rows % world_size ranks (the ring's "
+                           "chunks).")
+        if sum(got) == sum(s[0] for s in shapes):
+            raise Mismatch(f"{where} You counted rows; a chunk holds elements: multiply each "
+                           "parameter's rows by the elements of one row.")
+        raise Mismatch(where)
+    return "every rank's chunk, rows of every parameter, for every case tried"
+
+
+BACKWARD_STEPS = ("all-gather parameters", "compute gradients", "reduce-scatter gradients",
+                  "free full gradients", "free full parameters")
+
+
+@exercise("ex-9-fsdp-order", function="my_backward_order", timeout=10)
+def fsdp_order(fn: Callable) -> str:
+    """``fn()`` returns the five steps of one FSDP layer's backward (:data:`BACKWARD_STEPS`) in
+    an order that works. Rejects freeing the parameters before the gradients are computed, the
+    reduce-scatter before them, and freeing the gradients before the reduce-scatter."""
+    got = call_learner(fn)
+    try:
+        got = [str(step) for step in got]
+    except TypeError:
+        raise Mismatch(f"expected a list of the five steps, got {got!r}") from None
+    if sorted(got) != sorted(BACKWARD_STEPS):
+        raise Mismatch(f"expected each of {list(BACKWARD_STEPS)} once, got {got}")
+    at = {step: got.index(step) for step in BACKWARD_STEPS}
+    if at["compute gradients"] < at["all-gather parameters"]:
+        raise Mismatch("the gradients are computed from the full parameters (dL/dx = dL/dy W): "
+                       "gather them first")
+    if at["free full parameters"] < at["compute gradients"]:
+        raise Mismatch("you free the full parameters before backward has used them: the "
+                       "gradient of the layer's input needs its weights")
+    if at["reduce-scatter gradients"] < at["compute gradients"]:
+        raise Mismatch("the reduce-scatter sends gradients that are not computed yet")
+    if at["free full gradients"] < at["reduce-scatter gradients"]:
+        raise Mismatch("you free the full gradients before the reduce-scatter has sent them: "
+                       "every rank needs the others' rows of them")
+    return "gather, compute, then reduce-scatter before freeing the gradients: a working order"
