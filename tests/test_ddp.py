@@ -470,7 +470,8 @@ def gpu_on_rank() -> tuple[str, float, int]:
     )
     x = torch.randn(8, 5, device=device)
     timeline = timed_backward(
-        wrapped_ddp := ddp.DDP(models.MLP().to(device), 300 * B), wrapped_ddp(x).square().mean()
+        wrapped_ddp := ddp.DDP(models.MLP().to(device), bucket_cap_mb=300 * B),
+        wrapped_ddp(x).square().mean()
     )
     return device.type, diff, len(timeline.buckets)
 
@@ -512,3 +513,50 @@ def test_paired_median_and_recorded_timelines():
     assert ddp_bench.paired_median(times, "a", "b") == pytest.approx(0.5)
     t = ddp_bench.StepTimeline(0.03, 0.07, [ddp_bench.BucketTiming(0, 64, 0.01, 0.05)])
     assert ddp_bench.timelines_from_json({"overlap=True": asdict(t)}) == {"overlap=True": t}
+
+
+def _torch_arguments_on_rank() -> dict:
+    """torch's DistributedDataParallel arguments, given to the course's DDP."""
+    out = {}
+
+    def error(fn):
+        try:
+            fn()
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    torch.manual_seed(dist.get_rank())  # different weights on each rank
+    # torch's positional order: device_ids, output_device, dim, broadcast_buffers, init_sync,
+    # process_group, bucket_cap_mb, find_unused_parameters, check_reduction,
+    # gradient_as_bucket_view, static_graph
+    wrapped = ddp.DDP(models.MLP(), None, None, 0, True, True, None, 0.001, True, False, True,
+                      True)
+    out["synced"] = [p.detach().clone() for p in wrapped.parameters()]
+    out["buckets"] = len(wrapped.buckets)
+    torch.manual_seed(dist.get_rank())
+    kept = ddp.DDP(models.MLP(), init_sync=False)
+    out["not_synced"] = [p.detach().clone() for p in kept.parameters()]
+    out["default_group"] = error(lambda: ddp.DDP(models.MLP(), process_group=dist.group.WORLD))
+    out["dim"] = error(lambda: ddp.DDP(models.MLP(), dim=1))
+    out["device_ids"] = error(lambda: ddp.DDP(models.MLP(), device_ids=[0, 1]))
+    out["mixed_precision"] = error(lambda: ddp.DDP(models.MLP(), mixed_precision=object()))
+    out["typo"] = error(lambda: ddp.DDP(models.MLP(), bucket_cap=25))
+    group = dist.new_group([0, 1])
+    out["group"] = error(lambda: ddp.DDP(models.MLP(), process_group=group))
+    return out
+
+
+def test_torch_arguments_are_accepted_where_they_mean_something():
+    r0, r1 = run_ranks(_torch_arguments_on_rank, 2, timeout=60)
+    assert all(torch.equal(a, b) for a, b in zip(r0["synced"], r1["synced"], strict=True))
+    assert r0["buckets"] > 1  # bucket_cap_mb=0.001 came through, in its place
+    assert not all(torch.equal(a, b)
+                   for a, b in zip(r0["not_synced"], r1["not_synced"], strict=True))
+    assert r0["default_group"] is None
+    assert r0["dim"].startswith("ValueError: dim=1")
+    assert r0["device_ids"].startswith("ValueError: device_ids=[0, 1]")
+    assert r0["mixed_precision"].startswith("TypeError: DDP() does not take mixed_precision=")
+    assert "torch.autocast" in r0["mixed_precision"]
+    assert r0["typo"].startswith("TypeError: DDP() does not take bucket_cap=")
+    assert r0["group"].startswith("ValueError: process_group")

@@ -29,64 +29,16 @@ from torch import nn
 from torch.autograd import Variable
 
 from dpcourse.buckets import MB, Bucket, BucketManager
+from dpcourse.ddp_checks import (
+    check_module,
+    check_process_group,
+    check_same_model_on_every_rank,
+    check_torch_options,
+)
 from dpcourse.sampler import epoch_indices  # ddp.epoch_indices, as chapter 7 calls it
 
 __all__ = ["broadcast_parameters", "broadcast_buffers", "all_reduce_gradients",
            "PerParameterDDP", "DDP", "VARIANTS", "wrap", "epoch_indices"]
-
-
-# ------------------------------------------------------------------------------- checks
-def _check_process_group(who: str) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{who} needs a process group, and none is initialised in this process. Run the "
-            "code on ranks with dpcourse.launch.run_ranks(fn, world_size), or under torchrun "
-            "after dpcourse.runtime.init_process_group()."
-        )
-
-
-def _check_module(module: nn.Module, who: str) -> torch.device:
-    """The one device all of ``module``'s parameters and buffers are on."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{who} wraps an nn.Module, got {type(module).__name__}")
-    tensors = dict(module.named_parameters())
-    tensors.update(module.named_buffers())
-    devices = {}
-    for name, t in tensors.items():
-        devices.setdefault(t.device, name)
-    if len(devices) > 1:
-        where = ", ".join(f"{name} on {dev}" for dev, name in devices.items())
-        raise ValueError(
-            f"{who} needs every parameter and buffer of the module on one device, found {where}. "
-            "Move the module with module.to(dpcourse.runtime.device()) before wrapping it."
-        )
-    return next(iter(devices), torch.device("cpu"))
-
-
-def _check_same_model_on_every_rank(module: nn.Module, device: torch.device) -> None:
-    """All ranks must hold the same parameters and buffers (shapes, and which parameters are
-    trainable), or the broadcasts and all-reduces would pair up different tensors and fail or
-    hang. One all-reduce of a few numbers (their maximum and minimum over the ranks) finds a
-    difference."""
-    params = list(module.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    layout = tuple((tuple(p.shape), p.requires_grad) for p in params)
-    layout += tuple(tuple(b.shape) for b in module.buffers())
-    fingerprint = float(hash(layout) % (2**52))  # hashes of ints and tuples are not salted
-    stats = torch.tensor(
-        [len(trainable), sum(p.numel() for p in trainable), fingerprint], dtype=torch.float64
-    )
-    both = torch.cat([stats, -stats]).to(device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    high, low = both[:3].cpu(), -both[3:].cpu()
-    if not torch.equal(high, low):
-        raise RuntimeError(
-            f"the ranks wrap different models: rank {dist.get_rank()} has {len(trainable)} "
-            f"parameters that need gradients ({int(stats[1])} values); across the ranks the "
-            f"counts range from {int(low[0])} to {int(high[0])} parameters and {int(low[1])} "
-            f"to {int(high[1])} values, or the shapes of parameters or buffers differ. Build the "
-            "same model, with the same frozen parameters, on every rank."
-        )
 
 
 # ------------------------------------------------------------------------------- step 1
@@ -96,8 +48,8 @@ def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
     One broadcast per tensor, in registration order (the same on every rank). Afterwards the
     ranks hold the same model, however each was initialised. Chapter 7, step 1.
     """
-    _check_process_group("broadcast_parameters")
-    _check_module(module, "broadcast_parameters")
+    check_process_group("broadcast_parameters")
+    check_module(module, "broadcast_parameters")
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(t, src=src)
@@ -129,7 +81,7 @@ def all_reduce_gradients(module: nn.Module) -> None:
     parameter that got no gradient on this rank takes part with zeros, so that every rank runs
     the same all-reduces and none waits forever. Chapter 7, step 2.
     """
-    _check_process_group("all_reduce_gradients")
+    check_process_group("all_reduce_gradients")
     world = dist.get_world_size()
     for p in module.parameters():
         if not p.requires_grad:
@@ -153,8 +105,8 @@ class PerParameterDDP(nn.Module):
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        _check_module(module, "PerParameterDDP")
-        _check_process_group("PerParameterDDP")
+        check_module(module, "PerParameterDDP")
+        check_process_group("PerParameterDDP")
         self.module = module
         self.world_size = dist.get_world_size()
         broadcast_parameters(module)
@@ -209,14 +161,34 @@ class DDP(nn.Module):
     every forward. Inside ``with ddp.no_sync():`` backward only accumulates local gradients.
     The module must be on one device (``dpcourse.runtime.device()``) and a process group must
     be initialised (``dpcourse.launch.run_ranks`` or torchrun).
+
+    The arguments are torch's, in torch's order, so that ``DDP(model, device_ids=[i])`` runs
+    unchanged (``overlap``, keyword-only, is the course's own). Where they mean something here
+    they act as in torch: ``init_sync=False`` skips the first broadcast, ``device_ids`` and
+    ``output_device`` must name the module's device, ``dim`` must be 0 and ``process_group``
+    the default group. Three are accepted with one behaviour only: gradients are always views
+    of the buckets (``gradient_as_bucket_view=True`` in torch's words), a parameter without a
+    gradient is always averaged as zeros (what ``find_unused_parameters`` is for), and the
+    buckets are never rebuilt (``static_graph``). Any other argument is refused, by name.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        bucket_cap_mb: float | None = 25.0,
-        overlap: bool = True,
+        device_ids: list | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
         broadcast_buffers: bool = True,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        *,
+        overlap: bool = True,
+        **unsupported: object,
     ) -> None:
         super().__init__()
         if bucket_cap_mb is None:  # as torch's DDP: its default cap
@@ -226,15 +198,17 @@ class DDP(nn.Module):
                             f"{bucket_cap_mb!r}")
         if not bucket_cap_mb >= 0:
             raise ValueError(f"bucket_cap_mb must be 0 or more, got {bucket_cap_mb}")
-        device = _check_module(module, "DDP")
-        _check_process_group("DDP")
+        device = check_module(module, "DDP")
+        check_process_group("DDP")
+        check_torch_options(device, device_ids, output_device, dim, process_group, unsupported)
         self.module = module
         self.overlap = overlap
         self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
         self.world_size = dist.get_world_size()
-        _check_same_model_on_every_rank(module, device)
+        check_same_model_on_every_rank(module, device)
         params = [p for p in module.parameters() if p.requires_grad]
-        broadcast_parameters(module)
+        if init_sync:
+            broadcast_parameters(module)
         self.reducer = BucketManager(params, bucket_cap_mb * MB, self.world_size)
         self.require_backward_grad_sync = True
         self._finish_queued = False  # a callback waits for the end of this backward
