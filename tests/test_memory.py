@@ -197,28 +197,8 @@ def test_estimate_is_the_same_in_eval_mode_and_skips_frozen_parameters():
 
 
 # ------------------------------------------------------------ chapter 9: per rank, ZeRO stages
-def test_zero_table_matches_the_papers_table_1():
-    # Rajbhandari et al. 2020, Table 1: Psi = 7.5B, K = 12, GB = 1e9 bytes per device,
-    # columns P_os, P_os+g, P_os+g+p; every figure from the formula, rounded as the paper does.
-    published = {
-        1: ("120", "120", "120"),
-        4: ("52.5", "41.3", "30"),
-        16: ("35.6", "21.6", "7.5"),
-        64: ("31.4", "16.6", "1.88"),
-        256: ("30.4", "15.4", "0.47"),
-        1024: ("30.1", "15.1", "0.12"),
-    }
-    rows = zero_memory.zero_table(7_500_000_000, list(published))
-    for row in rows:
-        assert row["dp"] == 120 * 10**9
-        got = tuple(zero_memory.format_paper_gb(row[c]) for c in ("os", "os+g", "os+g+p"))
-        assert got == published[row["N"]], row["N"]
-    assert zero_memory.format_paper_gb(120 * 10**9) == "120"
-    # the rounding the paper uses: 3 significant figures, at most 2 decimals, halves up
-    assert zero_memory.format_paper_gb(41_250_000_000) == "41.3"  # round() would give 41.2
-    assert zero_memory.format_paper_gb(117_187_500) == "0.12"
-    assert zero_memory.format_paper_gb(0) == "0"
-    assert zero_memory.format_paper_gb(1_875_000_000) == "1.88"
+# ZeRO's Table 1, figure for figure: tests/test_published_figures.py, with the other published
+# figures the package reproduces.
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 7, 64, 1000])

@@ -154,6 +154,19 @@ def test_largest_world_size_agrees_with_brute_force(setting):
     assert scaling.largest_world_size(0.5, lambda n: 1.0, limit=77) == 77
 
 
+def test_tokens_to_hide_is_where_the_overlapped_step_is_all_compute():
+    comm = costmodel.all_reduce_time("ring", 64, GRAD, **NET)
+    tokens = scaling.tokens_to_hide(comm, P, scaling.H100, mfu=0.4)
+    by_hand = 2 * 63 / 64 * 2 * scaling.H100.peak_flops * 0.4 / (6 * (2 / 3) * NET["beta"])
+    assert by_hand < tokens < 1.01 * by_hand  # the latencies add a little
+    compute = scaling.compute_time(P, tokens, scaling.H100, mfu=0.4)
+    assert math.isclose(scaling.efficiency(64, compute, GRAD, **NET, overlap=2 / 3), 1.0)
+    assert scaling.efficiency(64, 0.9 * compute, GRAD, **NET, overlap=2 / 3) < 0.99
+    assert scaling.tokens_to_hide(comm, P, overlap=1.0) == pytest.approx(2 / 3 * tokens)
+    with pytest.raises(ValueError, match="overlap"):
+        scaling.tokens_to_hide(comm, P, overlap=0.0)
+
+
 # ------------------------------------------------------------------------ measured points
 def test_ddp_step_times_on_two_ranks():
     results = run_ranks(

@@ -35,6 +35,7 @@ __all__ = [
     "estimate_training_memory",
     "will_it_fit",
     "max_batch_size",
+    "transformer_activation_bytes",
 ]
 
 # Tensors of optimizer state kept per parameter, by optimizer name.
@@ -139,6 +140,43 @@ def _optimizer_name(optimizer: str | torch.optim.Optimizer) -> str:
     if name not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
     return name
+
+
+# ----------------------------------------------------------------------- published formula
+def transformer_activation_bytes(
+    seq_len: int,
+    batch_size: int,
+    hidden: int,
+    heads: int,
+    layers: int = 1,
+    recompute: str = "none",
+) -> int:
+    """Bytes of activations a GPT-style Transformer keeps for backward: the published formula
+    ``s b h (34 + 5 a s / h)`` per layer (Korthikanti et al. 2022, section 4.1, eq. 1; the
+    Ultra-Scale Playbook's ``m_act`` multiplies it by the layers), times ``layers``.
+
+    Per layer, in units of ``s b h`` bytes: attention 11 (its inputs and Q, K, V in 16 bits, a
+    1-byte dropout mask) plus ``5 a s^2 b`` bytes for the attention scores, softmax output and
+    its dropout mask; the MLP (hidden size 4h) 19; two layer norms 4. It assumes 16-bit
+    activations, no tensor or sequence parallelism and no fused attention; embeddings, the
+    output layer and the loss are not counted. ``recompute``: ``"none"``; ``"selective"``
+    (recompute the attention scores, drop the ``5as/h`` term: ``34 s b h``); ``"full"`` (keep
+    only each layer's input, ``2 s b h``). Chapter 1's rule of thumb estimates activations by
+    hooks instead; chapter 9 adds them to the sharded model states. Chapter 1.
+    """
+    sizes = (seq_len, batch_size, hidden, heads, layers)
+    if any(not isinstance(v, int) or v < 1 for v in sizes):
+        raise ValueError(f"seq_len, batch_size, hidden, heads and layers must be positive ints, "
+                         f"got {sizes}")
+    sbh = seq_len * batch_size * hidden
+    per_layer = {
+        "none": 34 * sbh + 5 * heads * seq_len * seq_len * batch_size,  # = sbh(34 + 5as/h)
+        "selective": 34 * sbh,
+        "full": 2 * sbh,
+    }
+    if recompute not in per_layer:
+        raise ValueError(f"recompute must be one of {sorted(per_layer)}, got {recompute!r}")
+    return layers * per_layer[recompute]
 
 
 # ---------------------------------------------------------------------------------- estimate

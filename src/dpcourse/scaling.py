@@ -42,6 +42,7 @@ __all__ = [
     "step_time",
     "efficiency",
     "largest_world_size",
+    "tokens_to_hide",
     "BACKWARD_FRACTION",
 ]
 
@@ -239,6 +240,27 @@ def efficiency(
         raise ValueError(f"mode must be 'weak' or 'strong', got {mode!r}")
     step = step_time(world_size, per_rank, grad_bytes, alpha, beta, overlap, buckets)
     return per_rank / step
+
+
+def tokens_to_hide(
+    comm_s: float,
+    num_params: float,
+    gpu: GPU = H100,
+    mfu: float = 0.4,
+    overlap: float = BACKWARD_FRACTION,
+) -> float:
+    """The fewest tokens per GPU per step whose compute hides an all-reduce of ``comm_s``
+    seconds: the T at which ``overlap`` x :func:`compute_time` (num_params, T) equals
+    ``comm_s`` (compute is linear in the tokens). Pass ``comm_s`` from
+    :func:`dpcourse.costmodel.all_reduce_time` or :func:`hierarchical_all_reduce_time` of
+    :func:`gradient_bytes`. For a ring of N GPUs on links of bandwidth beta, bf16 gradients
+    and the latency left out, T* = 2(N-1)/N x 2 bytes x F x MFU / (6 x overlap x beta): with
+    MFU 1 and overlap 2/3, (N-1)/N x F / beta, the compute-bound batch of *How to Scale Your
+    Model* without its (N-1)/N (its H100 figure: 990e12 / 450e9 = 2,200 tokens per GPU).
+    Chapter 10."""
+    if not 0 < overlap <= 1:
+        raise ValueError(f"overlap is a fraction of the compute, in (0, 1]; got {overlap}")
+    return comm_s / (overlap * compute_time(num_params, 1.0, gpu, mfu))
 
 
 def largest_world_size(
