@@ -16,8 +16,9 @@ How an exercise is written in a chapter notebook (chapter 1 is the model to copy
    The student edition replaces the lines between the markers with
    ``raise NotImplementedError(...)`` and drops the solution directives.
 3. A check cell: ``check.chunk_data(my_chunk_data)``. The check lives in
-   ``dpcourse/exercises/chNN.py``, registered with :func:`~dpcourse.exercises.core.exercise`;
-   it passes the package's reference and fails wrong answers with a specific message.
+   ``dpcourse/exercises/chNN.py`` (the appendix's diagnosis lab: ``lab.py``, labels
+   ``ex-11-<slug>``), registered with :func:`~dpcourse.exercises.core.exercise`; it passes the
+   package's reference and fails wrong answers with a specific message.
 
 Commands (``python -m dpcourse.exercises --help``): ``student`` writes the student edition of
 the book's sources, ``grade`` executes submitted notebooks and writes a score table (CSV).
@@ -61,7 +62,8 @@ __all__ = [
 
 @functools.cache
 def load_all() -> None:
-    """Import every chapter's check module (``chNN.py``) so that its checks are registered."""
+    """Import every chapter's check module (``chNN.py``) and the appendix's diagnosis lab
+    (``lab.py``, labels ``ex-11-...``) so that their checks are registered."""
     for info in pkgutil.iter_modules(__path__):
-        if info.name.startswith("ch") and info.name[2:].isdigit():
+        if (info.name.startswith("ch") and info.name[2:].isdigit()) or info.name == "lab":
             importlib.import_module(f"{__name__}.{info.name}")

@@ -1,0 +1,287 @@
+"""Appendix: the diagnosis lab. Faults injected on ranks, and the measurements that find them.
+
+Each ``reproduce_*`` function runs a small job on several ranks with one fault injected and
+returns what an engineer would look at: per-rank times, the stacks of a hung run, step times
+beside all-reduce times, a bandwidth figure. The faults:
+
+1. a straggler: one rank sleeps before each all-reduce (:func:`reproduce_straggler`);
+2. a skipped collective: one rank ``continue``s past the all-reduce of one step, as code that
+   skips a non-finite loss would, and the others wait for it forever (:func:`reproduce_hang`);
+3. buckets that are too small: DDP with ``bucket_cap_mb=0`` against one process on the same
+   global batch (:func:`reproduce_small_buckets`);
+4. a misread bandwidth: a measured all-reduce printed as a colleague's scripts print it,
+   with the wrong quantity or the wrong unit (:func:`measure_all_reduce`,
+   :func:`colleague_reports`).
+
+The lab's scenario (which rank, how long, which step) lives in the constants below, so that the
+notebook's cells do not give the answer away; the exercises name the cause with the keys of
+:data:`CAUSES`.
+
+Chapter 11: Appendix: the diagnosis lab (diagnosing slow or hung training).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CAUSES", "LAB_WORLD_SIZE", "STRAGGLER_RANK", "STRAGGLER_DELAY_S", "SKIPPING_RANK",
+    "SKIPPED_STEP", "HANG_TIMEOUT_S", "BANDWIDTH_WORLD_SIZE", "training_steps_on_rank",
+    "RankTimes", "reproduce_straggler", "HangReport", "reproduce_hang", "BucketRun",
+    "reproduce_small_buckets", "AllReduceTiming", "measure_all_reduce", "colleague_reports",
+]  # fmt: skip
+
+# The causes an exercise's answer is chosen from: the key, and what it means.
+CAUSES: dict[str, str] = {
+    "straggler": "one rank takes longer before the all-reduce; the others wait for it inside it",
+    "slow network": "the all-reduce itself is slow on every rank: the link moves bytes slowly",
+    "skipped collective": "one rank did not call a collective that the others called",
+    "timeout too short": "the run was healthy, only slower than the timeout allowed",
+    "small buckets": "the gradient goes out in many small all-reduces, each paying the latency",
+    "shared cores": "the ranks compete for the same CPU cores (more ranks than cores)",
+    "busbw as algbw": "the number is the bus bandwidth, algbw x 2(N-1)/N, labelled algbw",
+    "GiB as GB": "the bytes were divided by 2**30 (GiB) but the unit printed is GB (10**9)",
+    "bits as bytes": "bits per second read as bytes per second (or the reverse): a factor of 8",
+    "warm-up timed": "the first, slow call (connections, buffers) is inside the timing",
+}
+
+# The lab's scenario.
+LAB_WORLD_SIZE = 3
+STRAGGLER_RANK, STRAGGLER_DELAY_S = 2, 0.04
+SKIPPING_RANK, SKIPPED_STEP = 1, 2
+HANG_TIMEOUT_S = 3.0
+BANDWIDTH_WORLD_SIZE = 4
+
+
+# ------------------------------------------------------------------- 1-2: a training loop
+def training_steps_on_rank(
+    steps: int = 12,
+    warmup: int = 2,
+    *,
+    slow_rank: int | None = None,
+    delay_s: float = 0.0,
+    skip_rank: int | None = None,
+    skip_step: int = -1,
+    width: int = 256,
+    batch: int = 64,
+) -> dict[str, list[float]]:
+    """Runs on every rank: ``steps`` SGD steps of a small MLP whose gradient is averaged by one
+    all-reduce of the flat gradient per step. Returns per-step seconds (after ``warmup``):
+    ``compute`` (forward and backward), ``wait`` (inside the all-reduce) and ``step``.
+
+    Faults: rank ``slow_rank`` sleeps ``delay_s`` after backward (a straggler); rank
+    ``skip_rank`` skips the all-reduce and the update of step ``skip_step``."""
+    from dpcourse.models import MLP
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = MLP(width, width, width)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+    times: dict[str, list[float]] = {"compute": [], "wait": [], "step": []}
+    for step in range(steps):
+        t0 = time.perf_counter()
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if rank == slow_rank:
+            time.sleep(delay_s)
+        if rank == skip_rank and step == skip_step:
+            continue  # "the loss was not finite on this rank: skip the update"
+        t1 = time.perf_counter()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(flat)
+        t2 = time.perf_counter()
+        with torch.no_grad():  # SGD on the averaged gradient (torch.optim's first use is slow)
+            flat /= dist.get_world_size()
+            torch.nn.utils.vector_to_parameters(
+                torch.nn.utils.parameters_to_vector(model.parameters()) - 1e-3 * flat,
+                model.parameters(),
+            )
+        if step >= warmup:
+            times["compute"].append(t1 - t0)
+            times["wait"].append(t2 - t1)
+            times["step"].append(time.perf_counter() - t0)
+    print(f"finished {steps} steps")
+    return times
+
+
+@dataclass
+class RankTimes:
+    """Median seconds per step of each rank, in rank order: before the all-reduce
+    (``compute``), inside it (``wait``) and in all (``step``)."""
+
+    compute: list[float]
+    wait: list[float]
+    step: list[float]
+
+    def table(self) -> str:
+        lines = [f"{'rank':>4} {'compute':>10} {'all-reduce':>11} {'step':>9}"]
+        for r, (c, w, s) in enumerate(zip(self.compute, self.wait, self.step, strict=True)):
+            lines.append(f"{r:>4} {c * 1e3:>8.1f}ms {w * 1e3:>9.1f}ms {s * 1e3:>7.1f}ms")
+        return "\n".join(lines)
+
+
+def reproduce_straggler(world_size: int = LAB_WORLD_SIZE, steps: int = 12) -> RankTimes:
+    """Fault 1: the training loop on ``world_size`` ranks, one of them a straggler."""
+    from dpcourse.launch import run_ranks
+
+    fault = {"slow_rank": STRAGGLER_RANK, "delay_s": STRAGGLER_DELAY_S}
+    per_rank = run_ranks(training_steps_on_rank, world_size, steps, backend="gloo", **fault)
+    return RankTimes(
+        *([statistics.median(t[k]) for t in per_rank] for k in ("compute", "wait", "step"))
+    )
+
+
+@dataclass
+class HangReport:
+    """A run that the launcher's timeout ended: which ranks were still running (``stalled``),
+    which had returned (``finished``), each stalled rank's stack, and the error's text."""
+
+    stalled: list[int]
+    finished: list[int]
+    stacks: dict[int, str]
+    message: str
+    seconds: float
+
+
+def reproduce_hang(
+    world_size: int = LAB_WORLD_SIZE, timeout: float = HANG_TIMEOUT_S, steps: int = 4
+) -> HangReport:
+    """Fault 2: the training loop with one rank skipping one step's all-reduce, ended by
+    ``run_ranks``' timeout. Raises ``AssertionError`` if the run finishes instead."""
+    from dpcourse.launch import RankTimeoutError, run_ranks
+
+    fault = {"skip_rank": SKIPPING_RANK, "skip_step": SKIPPED_STEP, "backend": "gloo"}
+    start = time.perf_counter()
+    try:
+        run_ranks(training_steps_on_rank, world_size, steps, 0, timeout=timeout, **fault)
+    except RankTimeoutError as exc:
+        finished = [r for r in range(world_size) if r not in exc.stalled]
+        seconds = time.perf_counter() - start
+        return HangReport(list(exc.stalled), finished, dict(exc.stacks), str(exc), seconds)
+    raise AssertionError("the run with a skipped all-reduce finished: no hang to diagnose")
+
+
+# ---------------------------------------------------------------- 3: buckets too small
+@dataclass
+class BucketRun:
+    """Median step seconds of one process on the global batch (``one_process``) and of each
+    DDP variant on ``world_size`` ranks (``ddp``, by ``bench.ddp`` label); all-reduces per step
+    of each variant; the gradient's bytes; the seconds of one all-reduce of 4 bytes
+    (``tiny_all_reduce``) and of the whole gradient at once (``gradient_all_reduce``), each the
+    10th percentile of 20: the time without the stalls that a busy machine adds now and then."""
+
+    world_size: int
+    global_batch: int
+    one_process: float
+    ddp: dict[str, float]
+    all_reduces: dict[str, int]
+    grad_bytes: int
+    tiny_all_reduce: float
+    gradient_all_reduce: float
+
+    def evidence(self) -> str:
+        """What the colleague's run shows (its DDP is the ``"DDP cap 0"`` variant)."""
+        ms, n = 1e3, self.world_size
+        return "\n".join([
+            f"one process, batch {self.global_batch}: {self.one_process * ms:.1f} ms per step",
+            f"colleague's DDP, {n} ranks x {self.global_batch // n}: "
+            f"{self.ddp['DDP cap 0'] * ms:.1f} ms per step",
+            f"all-reduces per step in the colleague's DDP: {self.all_reduces['DDP cap 0']}",
+            f"one all-reduce of 4 bytes, alone: {self.tiny_all_reduce * ms:.2f} ms",
+            f"one all-reduce of the whole gradient ({self.grad_bytes / 1e6:.2f} MB), alone: "
+            f"{self.gradient_all_reduce * ms:.2f} ms",
+        ])  # fmt: skip
+
+
+def _ddp_and_all_reduces_on_rank(
+    model: str, variants: list[str], repeats: int, batch: int, grad_bytes: int
+) -> tuple[dict[str, list[float]], list[float]]:
+    from dpcourse import commbench
+    from dpcourse.bench.ddp import time_variants_on_rank
+
+    times = time_variants_on_rank(model, variants, repeats=repeats, warmup=2, batch=batch)
+    samples = commbench.all_reduce_samples_on_rank([4, grad_bytes], ("library",), repeats=20)
+    return times, [commbench.quantile(ts, 0.1) for ts in samples["library"]]
+
+
+def reproduce_small_buckets(
+    model: str = "transformer", global_batch: int = 64, world_size: int = 2, repeats: int = 10
+) -> BucketRun:
+    """Fault 3: ``dpcourse.ddp.DDP`` with ``bucket_cap_mb=0`` (one all-reduce per parameter)
+    and with its default 25 MB cap, on ``world_size`` ranks of ``global_batch / world_size``
+    samples, against one process on the whole batch (interleaved repetitions, medians)."""
+    from dpcourse.bench.ddp import make_model_and_batch, time_variants_on_rank
+    from dpcourse.buckets import bucket_assignment
+    from dpcourse.launch import run_ranks
+
+    net, _, _ = make_model_and_batch(model, 1, 0)
+    sizes = [p.numel() * p.element_size() for p in net.parameters()]
+    grad_bytes = sum(sizes)
+    variants = ["DDP cap 0", "DDP"]
+    one = run_ranks(
+        time_variants_on_rank, 1, model, ["none"], repeats, 2, global_batch, backend="gloo"
+    )[0]["none"]
+    args = (model, variants, repeats, global_batch // world_size, grad_bytes)
+    times, ar = run_ranks(_ddp_and_all_reduces_on_rank, world_size, *args, backend="gloo")[0]
+    counts = {"DDP cap 0": len(sizes), "DDP": len(bucket_assignment(sizes, 25 * 2**20))}
+    ddp = {v: statistics.median(times[v]) for v in variants}
+    median = statistics.median(one)
+    return BucketRun(world_size, global_batch, median, ddp, counts, grad_bytes, ar[0], ar[1])
+
+
+# ------------------------------------------------------------------- 4: bandwidth figures
+@dataclass
+class AllReduceTiming:
+    """One all-reduce of ``nbytes`` on ``world_size`` ranks took ``seconds`` (median)."""
+
+    nbytes: int
+    world_size: int
+    seconds: float
+
+    @property
+    def algbw(self) -> float:
+        """Algorithm bandwidth, bytes per second: the payload over the time."""
+        return self.nbytes / self.seconds
+
+    @property
+    def busbw(self) -> float:
+        """Bus bandwidth (nccl-tests): ``algbw * 2(N-1)/N``, bytes per second."""
+        return self.algbw * 2 * (self.world_size - 1) / self.world_size
+
+    def line(self) -> str:
+        """The figures, labelled correctly."""
+        return (
+            f"all_reduce of {self.nbytes / 1e6:.2f} MB ({self.nbytes / 2**20:g} MiB) on "
+            f"{self.world_size} ranks in {self.seconds * 1e3:.2f} ms: algbw "
+            f"{self.algbw / 1e9:.3f} GB/s = {self.algbw / 2**30:.3f} GiB/s, busbw "
+            f"{self.busbw / 1e9:.3f} GB/s"
+        )
+
+
+def measure_all_reduce(
+    world_size: int = BANDWIDTH_WORLD_SIZE, nbytes: int = 2**24, repeats: int = 5
+) -> AllReduceTiming:
+    """Fault 4's measurement: the median time of ``dist.all_reduce`` of ``nbytes`` (float32)
+    on ``world_size`` ranks, after a warm-up, each repetition as slow as its slowest rank."""
+    from dpcourse import commbench
+    from dpcourse.launch import run_ranks
+
+    timing = commbench.time_all_reduce_on_rank
+    medians = run_ranks(timing, world_size, [nbytes], ("library",), repeats, backend="gloo")
+    return AllReduceTiming(nbytes, world_size, medians[0]["library"][0])
+
+
+def colleague_reports(t: AllReduceTiming) -> dict[str, str]:
+    """Fault 4: the same measurement as two colleagues' scripts print it, each with one
+    mistake: report A prints the bus bandwidth as algbw, report B prints GiB/s as GB/s."""
+    head = f"all_reduce {t.nbytes / 1e6:.2f} MB, {t.world_size} ranks, {t.seconds * 1e3:.2f} ms"
+    return {
+        "A": f"{head}: algbw {t.busbw / 1e9:.3f} GB/s",
+        "B": f"{head}: algbw {t.algbw / 2**30:.3f} GB/s",
+    }
