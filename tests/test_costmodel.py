@@ -19,6 +19,22 @@ def test_terms_match_the_counted_traffic_formulas(n):
     assert costmodel.terms("tree", n) == (2 * rounds, 2 * rounds)
 
 
+@pytest.mark.parametrize("n", [2, 4, 8, 1024])
+def test_halving_doubling_has_the_ring_bytes_and_the_tree_latencies(n):
+    latencies, volume = costmodel.terms("halving-doubling", n)
+    assert latencies == 2 * math.log2(n) == costmodel.terms("tree", n)[0]
+    assert volume == costmodel.terms("ring", n)[1]
+    ring = costmodel.all_reduce_time("ring", n, 1e8, 5e-6, 12.5e9)
+    halving_doubling = costmodel.all_reduce_time("halving-doubling", n, 1e8, 5e-6, 12.5e9)
+    assert halving_doubling < ring if n > 2 else halving_doubling == ring
+
+
+def test_halving_doubling_needs_a_power_of_two():
+    assert costmodel.terms("halving-doubling", 1) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="power of two"):
+        costmodel.terms("halving-doubling", 6)
+
+
 def test_one_rank_costs_nothing_and_bad_input_is_refused():
     assert costmodel.terms("ring", 1) == (0.0, 0.0)
     with pytest.raises(ValueError, match="algorithm"):

@@ -12,6 +12,11 @@ tree        2 ceil(log2 N) alpha     2 ceil(log2 N) n / beta
 ring        2(N-1) alpha             2(N-1)/N n / beta
 ==========  =======================  ===============================
 
+``"halving-doubling"`` is modelled too, for ``N`` a power of two: recursive halving for the
+reduce-scatter and recursive doubling for the all-gather (Rabenseifner's algorithm, Thakur et
+al. 2005), ``2 log2(N)`` latencies and the ring's ``2(N-1)/N n / beta``. It is not in
+:data:`ALGORITHMS`, the algorithms that the package implements and simulates.
+
 The ring pays the most latency but the least bandwidth, which for large gradients is what
 counts: its bandwidth term does not grow with N. :func:`all_reduce_time` is the model (the one
 definition of the course: chapter 10's step time calls it too); :func:`fit` finds ``alpha`` and
@@ -48,7 +53,13 @@ def terms(algorithm: str, world_size: int) -> tuple[float, float]:
         return 2.0 * rounds, 2.0 * rounds
     if algorithm == "ring":
         return 2.0 * (n - 1), 2.0 * (n - 1) / n
-    raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "halving-doubling":
+        if n & (n - 1):
+            raise ValueError(f"halving-doubling is modelled for a world_size that is a power "
+                             f"of two, got {n}")
+        return 2.0 * math.log2(n), 2.0 * (n - 1) / n
+    raise ValueError(f"algorithm must be one of {ALGORITHMS} or 'halving-doubling', "
+                     f"got {algorithm!r}")
 
 
 def all_reduce_time(
