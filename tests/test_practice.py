@@ -64,6 +64,32 @@ def test_stats_from_sums():
         syncbn.stats_from_sums(x[0], x[0] ** 2, 1)
 
 
+def test_stats_from_moments_combines_uneven_ranks_and_does_not_cancel():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, generator=g, dtype=torch.float64) * 2 + 5
+    shards = x.split([1, 6, 9])  # uneven, one rank with a single sample
+    means = torch.stack([s.mean(0) for s in shards])
+    variances = torch.stack([s.var(0, unbiased=False) for s in shards])
+    counts = torch.tensor([len(s) for s in shards])
+    mean, var, unbiased = syncbn.stats_from_moments(means, variances, counts)
+    torch.testing.assert_close(mean, x.mean(0))
+    torch.testing.assert_close(var, x.var(0, unbiased=False))
+    torch.testing.assert_close(unbiased, x.var(0, unbiased=True))
+    with pytest.raises(ValueError, match="at least 2 values"):
+        syncbn.stats_from_moments(means[:1], variances[:1], counts[:1] * 0 + 1)
+    # float32, a mean of 1,000 and a spread of 1: the sums lose the variance, the moments keep it
+    big = torch.randn(2, 512, 4, generator=g, dtype=torch.float64) + 1000
+    truth = big.var(dim=(0, 1), unbiased=False)
+    f32 = big.float()
+    _, from_sums, _ = syncbn.stats_from_sums(f32.sum((0, 1)), (f32 * f32).sum((0, 1)), 1024)
+    per_rank = [torch.var_mean(f32[r], dim=0, unbiased=False) for r in range(2)]
+    _, from_moments, _ = syncbn.stats_from_moments(
+        torch.stack([m for _, m in per_rank]), torch.stack([v for v, _ in per_rank]),
+        torch.tensor([512, 512]))  # fmt: skip
+    assert (from_moments.double() - truth).abs().max() < 1e-4
+    assert (from_sums.double() - truth).abs().max() > 1e-2
+
+
 def _syncbn_against_full_batch(shape_tail, sizes, affine, steps=2):
     """Runs on every rank: our SyncBatchNorm on this rank's slice of the batch against
     nn.BatchNorm on the whole batch (computed on every rank); returns the largest differences."""

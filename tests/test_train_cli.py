@@ -176,6 +176,13 @@ def test_main_under_run_ranks_resumes_exactly(tmp_path, strategy):
         assert torch.equal(a, b)
 
 
+def test_default_timeout_is_torchs_nccl_default():
+    """60 s was too short for NCCL's communicator set-up or a large checkpoint's barrier;
+    torch's init_process_group waits 10 minutes under NCCL (30 under gloo)."""
+    assert train.parse_args([]).timeout == 600.0
+    assert train.parse_args(["--timeout", "30"]).timeout == 30.0
+
+
 def test_bad_command_lines_say_what_to_do(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--strategy", "zero", "--grad-clip", "-1"])

@@ -18,7 +18,12 @@ where the two means are over the *whole* batch: a second all-reduce, of ``sum(dy
 ``sum(dy · x̂)`` per channel. The weight and bias gradients are left as each rank's sums; the
 gradient all-reduce of DDP (or of chapter 4's averaging) combines them like every other gradient.
 
-``torch.nn.SyncBatchNorm`` does the same, but (torch 2.13) only for CUDA/XPU tensors: on a CPU it
+``var = sumsq / count - mean²`` subtracts two large, nearly equal numbers when a channel's mean
+is large against its spread, and float32 loses the variance (catastrophic cancellation).
+``torch.nn.SyncBatchNorm`` instead all-gathers each rank's ``(mean, invstd, count)`` and combines
+them with the parallel (Chan et al.) formula, :func:`stats_from_moments` here; the sums are kept
+in :class:`SyncBatchNorm` because they are the simplest to read, and chapter 8 shows where they
+fail. ``torch.nn.SyncBatchNorm`` runs (torch 2.13) only on CUDA/XPU tensors: on a CPU it
 raises ``ValueError``. :class:`SyncBatchNorm` here works on any device and backend, and
 ``tests/test_practice.py`` checks it against ``BatchNorm`` on the concatenated batch: outputs,
 running statistics and gradients.
@@ -32,7 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["stats_from_sums", "global_batch_stats", "SyncBatchNorm", "convert_sync_batchnorm"]
+__all__ = [
+    "stats_from_sums",
+    "stats_from_moments",
+    "global_batch_stats",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
+]
 
 
 def _several_ranks() -> bool:
@@ -52,6 +63,28 @@ def stats_from_sums(
     mean = total / count
     var = (total_sq / count - mean * mean).clamp_min(0.0)  # rounding can make it slightly < 0
     return mean, var, var * count / (count - 1)
+
+
+def stats_from_moments(
+    means: torch.Tensor, variances: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mean, biased var, unbiased var)`` per channel of the whole batch from each rank's own
+    ``means``, biased ``variances`` (both ``(world_size, C)``) and ``counts`` (``(world_size,)``):
+    the parallel formula of Chan, Golub and LeVeque, which is what ``torch.nn.SyncBatchNorm``
+    computes from its all-gathered statistics. With n = sum of the counts,
+
+        mean = sum(n_r mean_r) / n,    var = sum(n_r (var_r + (mean_r - mean)²)) / n,
+
+    the law of total variance: each rank's spread plus the spread of the ranks' means around the
+    global one. Nothing large is subtracted, so it keeps float32's accuracy where
+    :func:`stats_from_sums` cancels. Chapter 8."""
+    counts = counts.to(means.dtype).reshape(-1, 1)
+    n = counts.sum()
+    if float(n) < 2:
+        raise ValueError(f"batch norm needs at least 2 values per channel over all ranks, got {n}")
+    mean = (counts * means).sum(0) / n
+    var = (counts * (variances + (means - mean) ** 2)).sum(0) / n
+    return mean, var, var * n / (n - 1)
 
 
 def _per_channel(x: torch.Tensor) -> tuple[torch.Tensor, ...]:

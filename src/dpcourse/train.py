@@ -73,7 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", type=Path, default=None)
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between saves (0: end)")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait")
+    # torch's NCCL default: NCCL's set-up takes longer the more ranks there are, and the ranks
+    # wait at a barrier while rank 0 writes a checkpoint (81 GB at 2 GB/s: 40 s, problem 8.3).
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a collective may wait (default 600, torch's NCCL default)")
     p.add_argument("--crash-at-step", type=int, default=None, help="a rank dies at this step")
     p.add_argument("--crash-rank", type=int, default=1)
     p.add_argument("--crash-marker", type=Path, default=None, help="crash only if this is absent")
