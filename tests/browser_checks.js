@@ -188,5 +188,14 @@
   }
   counts.wide_outputs = wide.length;
   for (const w of wide) problems.push(`a cell output scrolls sideways, ${w}`);
+  // Nor does a table of the text: the theme lets a wide one scroll, cut off at the right edge.
+  for (const table of document.querySelectorAll('article table')) {
+    if (table.closest('.cell_output')) continue;  // counted above
+    const box = table.closest('.pst-scrollable-table-container') || table.parentElement;
+    if (box.scrollWidth > box.clientWidth + 1) {
+      problems.push(`a table scrolls sideways, ${box.scrollWidth - box.clientWidth} px too wide: `
+                    + `"${short(table.textContent, 60)}"`);
+    }
+  }
   return {problems, counts, ms: Date.now() - start};
 })

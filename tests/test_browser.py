@@ -502,6 +502,15 @@ BREAKAGES = {
         ),
         "scrolls sideways",
     ),
+    "a table wider than the page": (
+        lambda h: _break(
+            h,
+            '<article class="bd-article">',
+            '<article class="bd-article"><table><tr>' + "<td>wide&nbsp;column&nbsp;text</td>" * 80
+            + "</tr></table>",
+        ),
+        "a table scrolls sideways",
+    ),
     "TeX outside MathJax's reach": (
         lambda h: _break(h, "<h1>", r"<p>single dollars: $\alpha$</p><h1>"),
         "TeX left unrendered",
