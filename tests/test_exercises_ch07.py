@@ -60,6 +60,12 @@ def launch_reference(param, pending):
     pending.append(dist.all_reduce(param.grad, async_op=True))
 
 
+def divide_after_launching(param, pending):
+    """Launch, then divide: on gloo the mean often comes out anyway, but it is a race."""
+    pending.append(dist.all_reduce(param.grad, async_op=True))
+    param.grad.div_(dist.get_world_size())
+
+
 def launch_blocking(param, pending):
     param.grad.div_(dist.get_world_size())
     pending.append(dist.all_reduce(param.grad))  # returns None
@@ -82,6 +88,8 @@ def test_hook_check(short_timeouts, pools):
     assert not result.passed and "sum of the ranks' gradients" in result.message
     result = run_check("ex-7-hook", launch_and_forget)
     assert not result.passed and "nothing was appended" in result.message
+    result = run_check("ex-7-hook", divide_after_launching)
+    assert not result.passed and "changed in place after their all-reduce" in result.message
 
 
 # --------------------------------------------------------------------------- sampler

@@ -104,3 +104,64 @@ def test_rounds_and_bytes_checks():
     assert not result.passed and "one phase" in result.message
     result = run_check("ex-6-bytes", lambda b, n: 2 * (n - 1) * b)
     assert not result.passed and "1/N of the data" in result.message
+
+
+# ------------------------------------------- answers that a result alone cannot tell apart
+def library_broadcast(t, src):
+    dist.broadcast(t, src)
+
+
+def relay_broadcast(t, src):
+    """Right result, N-1 rounds: each rank passes the data to the next."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    v = (r - src) % n
+    if v > 0:
+        dist.recv(t, (r - 1) % n)
+    if v < n - 1:
+        dist.send(t, (r + 1) % n)
+
+
+def library_all_reduce(t):
+    dist.all_reduce(t)
+
+
+def gather_to_rank_zero(t):
+    """Right result, the naive all-reduce: every rank sends to rank 0, which sends the sum back."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    if r == 0:
+        for peer in range(1, n):
+            buf = torch.empty_like(t)
+            dist.recv(buf, peer)
+            t += buf
+        for peer in range(1, n):
+            dist.send(t, peer)
+    else:
+        dist.send(t, 0)
+        dist.recv(t, 0)
+
+
+def ring_of_whole_tensors(t):
+    """Right result, neighbours only, but the whole tensor around the ring N-1 times."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    passing = t.clone()
+    for _ in range(n - 1):
+        buf = torch.empty_like(t)
+        ops = [dist.P2POp(dist.irecv, buf, (r - 1) % n),
+               dist.P2POp(dist.isend, passing, (r + 1) % n)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        t += buf
+        passing = buf
+
+
+def test_the_checks_reject_the_library_a_relay_and_a_gather(short_timeouts):
+    result = run_check("ex-5-tree-broadcast", library_broadcast)
+    assert not result.passed and "torch.distributed's collectives" in result.message
+    result = run_check("ex-5-tree-broadcast", relay_broadcast)
+    assert not result.passed and "relay of N-1 rounds" in result.message
+    result = run_check("ex-6-ring", library_all_reduce)
+    assert not result.passed and "torch.distributed's collectives" in result.message
+    result = run_check("ex-6-ring", gather_to_rank_zero)
+    assert not result.passed and "only to its right neighbour" in result.message
+    result = run_check("ex-6-ring", ring_of_whole_tensors)
+    assert not result.passed and "not the whole of it" in result.message

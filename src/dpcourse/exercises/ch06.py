@@ -9,7 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from dpcourse.exercises.core import Mismatch, any_rank, exercise, run_learner_on_ranks
+from dpcourse.exercises.core import (
+    Mismatch,
+    any_rank,
+    exercise,
+    learner_messages,
+    run_learner_on_ranks,
+)
 
 RANK_TIMEOUT = 30.0  # seconds for one world size; a deadlock ends here
 
@@ -25,8 +31,17 @@ def _all_reduce_on_rank(fn: Callable, lengths: list[int]) -> list[str]:
         want = x.clone()
         dist.all_reduce(want)
         got = x.clone()
-        returned = fn(got)
-        problem = _compare(got, x, want, returned, world, n, rank)
+        try:
+            with learner_messages() as sent:
+                returned = fn(got)
+        except AssertionError as exc:
+            if "library collective" not in str(exc):
+                raise
+            problem = ("your function called one of torch.distributed's collectives (such as "
+                       "dist.all_reduce); build the ring from point-to-point messages")
+        else:
+            problem = _compare(got, x, want, returned, world, n, rank)
+            problem = problem or _not_a_ring(sent, world, n, rank)
         if any_rank(problem is not None):  # all ranks stop at the same case
             return [problem] if problem else []
     return []
@@ -58,10 +73,30 @@ def _compare(got, x, want, returned, world: int, n: int, rank: int) -> str | Non
     )
 
 
+def _not_a_ring(sent: list[tuple[int, int]], world: int, n: int, rank: int) -> str | None:
+    """A ring sends only to its right neighbour, 2(N-1) chunks of about n/N elements; a gather
+    to one rank (the naive all-reduce) sends elsewhere, or N-1 whole tensors."""
+    right = (rank + 1) % world
+    others = sorted({peer for peer, _ in sent if peer != right})
+    if others:
+        return (f"{world} ranks, {n} elements: rank {rank} sent to rank(s) {others}; in a ring "
+                f"each rank sends only to its right neighbour, rank {right} (a gather to one "
+                "rank is the naive all-reduce of chapter 5)")
+    most = 2 * (world - 1) * -(-n // world) * 4  # 2(N-1) chunks of at most ceil(n/N) floats
+    total = sum(nbytes for _, nbytes in sent)
+    if total > most:
+        return (f"{world} ranks, {n} elements: rank {rank} sent {total:,} bytes, where a ring "
+                f"sends 2(N-1) chunks of n/N values, at most {most:,} bytes: send chunks of "
+                "the tensor, not the whole of it")
+    return None
+
+
 @exercise("ex-6-ring", function="my_ring_all_reduce", timeout=180)
 def ring_all_reduce(fn: Callable) -> str:
     """``fn(tensor)`` sums in place over all ranks on 4 ranks (and 3 and 2), for lengths that
-    are multiples of N, not multiples, and shorter than N; a deadlock is stopped and shown."""
+    are multiples of N, not multiples, and shorter than N, sending only to the right neighbour
+    and no more than the ring's 2(N-1) chunks; ``dist.all_reduce`` itself and a gather to one
+    rank are rejected; a deadlock is stopped and shown."""
     cases = {4: [8, 1000, 10, 3, 1], 3: [9, 100, 2], 2: [6, 7]}
     for world, lengths in cases.items():
         results = run_learner_on_ranks(

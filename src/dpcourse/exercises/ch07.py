@@ -118,12 +118,27 @@ def _hook_on_rank(fn: Callable) -> str | None:
         want[n] /= world
     model.zero_grad(set_to_none=True)
     pending: list = []
+    # Each all-reduce's tensor and its version counter when it was launched: an in-place change
+    # made after launching (dividing by N after the call, say) bumps the counter, although on
+    # gloo the result often still comes out as the mean; the backend writing the sum does not.
+    launches: list[tuple[torch.Tensor, int]] = []
+    real_all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        launches.append((tensor, tensor._version))
+        return real_all_reduce(tensor, *args, **kwargs)
+
     handles = [
         p.register_post_accumulate_grad_hook(lambda p: fn(p, pending)) for p in model.parameters()
     ]
-    F.mse_loss(model(x), y).backward()
+    dist.all_reduce = recording
+    try:
+        F.mse_loss(model(x), y).backward()
+    finally:
+        dist.all_reduce = real_all_reduce
     for h in handles:
         h.remove()
+    changed = [t for t, version in launches if t._version != version]
     launched = len(pending)
     if any(w is None for w in pending):
         return (
@@ -138,6 +153,13 @@ def _hook_on_rank(fn: Callable) -> str | None:
         )
     for work in pending:
         work.wait()
+    if changed:
+        return (
+            f"{len(changed)} gradient(s) were changed in place after their all-reduce was "
+            "launched (divided after the call?): the all-reduce runs on in the background while "
+            "you return, so what it sends and what it leaves are a race. Divide first, then "
+            "launch"
+        )
     if launched != len(local):
         return f"{launched} all-reduces were launched for {len(local)} parameters"
     for n, p in model.named_parameters():

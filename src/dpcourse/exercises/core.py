@@ -245,6 +245,52 @@ def run_learner_on_ranks(
         raise Mismatch(f"on {world_size} ranks: {exc}") from None
 
 
+@contextlib.contextmanager
+def learner_messages() -> Iterator[list[tuple[int, int]]]:
+    """While a learner's collective runs on a rank: log every message of floating-point data it
+    sends, as ``(peer, bytes)`` (``dist.send``, ``dist.isend`` and the sends of
+    ``dist.batch_isend_irecv``), and make torch.distributed's own collectives raise
+    ``AssertionError`` (the learner must build the collective from messages). Chapters 5 and 6's
+    checks use it to tell a tree from a relay and a ring from a gather."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from dpcourse.collectives.p2p import library_collectives_forbidden
+
+    log: list[tuple[int, int]] = []
+    originals = {"send": c10d.send, "isend": c10d.isend}
+
+    inside = threading.local()  # torch's send calls its isend: count the outer call only
+
+    def counting(real: Callable) -> Callable:
+        def sends(tensor, dst=None, *args, **kwargs):
+            if getattr(inside, "depth", 0):
+                return real(tensor, dst, *args, **kwargs)
+            peer = dst if dst is not None else kwargs.get("group_dst")
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                log.append((peer, tensor.numel() * tensor.element_size()))
+            inside.depth = 1
+            try:
+                return real(tensor, dst, *args, **kwargs)
+            finally:
+                inside.depth = 0
+
+        return sends
+
+    # The module's own names too: P2POp accepts only c10d.isend, and batch_isend_irecv calls it.
+    wrapped = {name: counting(real) for name, real in originals.items()}
+    for name, fn in wrapped.items():
+        setattr(c10d, name, fn)
+        setattr(dist, name, fn)
+    try:
+        with library_collectives_forbidden():
+            yield log
+    finally:
+        for name, real in originals.items():
+            setattr(c10d, name, real)
+            setattr(dist, name, real)
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank if ``flag`` is true on any rank (for rank-side checks, so that all
     ranks stop at the same case instead of some waiting for the others forever)."""
