@@ -251,3 +251,22 @@ def test_unscale_after_the_all_reduce_keeps_ranks_in_step():
     assert [r["stepped"] for r in wrong] == [True, False]
     assert not torch.isfinite(wrong[0]["weight"]).all()
     assert not math.isclose(wrong[0]["scale"], wrong[1]["scale"])
+
+
+def test_noam_schedule_rises_peaks_and_decays_and_drives_lambda_lr():
+    lrs = [lr_schedule.noam_lr(s, d_model=512, warmup=100) for s in range(1000)]
+    assert lrs[0] > 0  # the first step moves the weights
+    assert max(range(1000), key=lrs.__getitem__) == 99
+    assert lrs[99] == pytest.approx((512 * 100) ** -0.5)
+    assert lrs[399] == pytest.approx(lrs[99] / 2)  # 1/sqrt(s): s = 400 is 4 x 100
+    assert lrs[49] == pytest.approx(lrs[99] / 2)  # linear before the peak: s = 50 is half
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_schedule.noam_lr(s, 512, 100))
+    seen = []
+    for _ in range(5):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx(lrs[:5])
+    with pytest.raises(ValueError, match="warmup >= 1"):
+        lr_schedule.noam_lr(0, 512, 0)

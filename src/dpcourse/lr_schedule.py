@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RULES", "scaled_lr", "lr_at", "LargeBatchRun", "large_batch_run"]
+__all__ = ["RULES", "scaled_lr", "lr_at", "noam_lr", "LargeBatchRun", "large_batch_run"]
 
 RULES = ("none", "linear", "sqrt")
 
@@ -56,6 +56,20 @@ def lr_at(step: int, base_lr: float, world_size: int, warmup: int, rule: str = "
     if step >= warmup:
         return target
     return base_lr + (target - base_lr) * step / warmup
+
+
+def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
+    """The Transformer's learning rate ("Noam", Vaswani et al., 2017) at step ``step`` (from 0):
+    factor x d_model^-1/2 x min(s^-1/2, s x warmup^-3/2) with s = step + 1. It rises linearly
+    for ``warmup`` steps, peaks at step ``warmup - 1`` at factor x (d_model x warmup)^-1/2 and
+    then decays as 1/sqrt(s). Counting s from 1 gives the first step a rate above 0 (with s =
+    step the first step would not move the weights). As a multiplier of a base rate of 1:
+    ``LambdaLR(opt, lambda s: noam_lr(s, d_model, warmup))``. Chapter 8."""
+    if step < 0 or d_model < 1 or warmup < 1:
+        raise ValueError(f"need step >= 0, d_model >= 1 and warmup >= 1, got step={step}, "
+                         f"d_model={d_model}, warmup={warmup}")
+    s = step + 1
+    return factor * d_model**-0.5 * min(s**-0.5, s * warmup**-1.5)
 
 
 @dataclass
