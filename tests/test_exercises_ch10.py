@@ -125,12 +125,20 @@ def test_noise_scale_check():
     assert not result.passed and "return both estimates" in result.message
 
 
-# ---------------------------------------------------------------------------- bytes per GPU
-def test_bytes_check():
-    assert run_check("ex-10-bytes", lambda p, n, w: 2 * (n - 1) / n * p * w).passed
-    result = run_check("ex-10-bytes", lambda p, n, w: (n - 1) / n * p * w)
-    assert not result.passed and "one phase" in result.message
-    result = run_check("ex-10-bytes", lambda p, n, w: 2 * p * w)
-    assert not result.passed and "not 2, gradients" in result.message
-    result = run_check("ex-10-bytes", lambda p, n, w: 2 * (n - 1) / n * p * 4)
-    assert not result.passed and "bf16 is 2 bytes" in result.message
+# ------------------------------------------------------------------- tokens that hide it
+def tokens_reference(params, n, width, beta, flops, mfu, overlap):
+    comm = 2 * (n - 1) / n * params * width / beta
+    return comm / (overlap * 6 * params / (flops * mfu))
+
+
+def test_tokens_to_hide_check_accepts_the_formula_and_names_three_slips():
+    assert run_check("ex-10-hide", tokens_reference).passed
+    two = lambda p, n, w, b, f, m, o: tokens_reference(p, n, w, b, f, m, o) * n / (n - 1)  # noqa: E731
+    result = run_check("ex-10-hide", two)
+    assert not result.passed and "2(N-1)/N" in result.message
+    all_compute = lambda p, n, w, b, f, m, o: tokens_reference(p, n, w, b, f, m, o) * o  # noqa: E731
+    result = run_check("ex-10-hide", all_compute)
+    assert not result.passed and "overlap x compute per token" in result.message
+    forward = lambda p, n, w, b, f, m, o: tokens_reference(p, n, w, b, f, m, o) * 3  # noqa: E731
+    result = run_check("ex-10-hide", forward)
+    assert not result.passed and "6 FLOPs per parameter" in result.message

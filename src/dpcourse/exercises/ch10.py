@@ -169,29 +169,39 @@ def noise_scale(fn: Callable) -> str:
     return "gives back |G|^2 and tr(Sigma) exactly from their expected norms in every case"
 
 
-@exercise("ex-10-bytes", function="step_bytes_per_gpu", timeout=10)
-def bytes_per_gpu(fn: Callable) -> str:
-    """``fn(num_params, world_size, bytes_per_value)``: bytes each GPU sends per step in a ring
-    all-reduce of the whole gradient."""
-    for params, n, width in (
-        (7e9, 1024, 2),
-        (1.3e9, 8, 2),
-        (1.3e9, 8, 4),
-        (1e6, 1, 2),
-        (125e6, 3, 4),
-    ):
-        want = 2 * (n - 1) / n * params * width
-        got = call_learner(fn, params, n, width)
-        if not _close(got, want, 1e-9):
-            hint = ""
-            if _close(got, (n - 1) / n * params * width):
-                hint = " That is one phase; the all-gather sends as much as the reduce-scatter."
-            elif _close(got, 2 * params * width):
-                hint = " Close for large N, but the ring sends 2(N-1)/N, not 2, gradients."
-            elif n > 1 and _close(got, want * (4 if width == 2 else 2) / width):
-                hint = " Mind the dtype: bf16 is 2 bytes a value, fp32 4."
-            raise Mismatch(
-                f"{params:.3g} parameters, {width} bytes each, on {n} GPUs: expected "
-                f"{want:,.0f} bytes, got {got!r}.{hint}"
-            )
-    return "2(N-1)/N x parameters x bytes per value, for bf16 and fp32, 1 to 1,024 GPUs"
+HIDE_CASES = [  # (parameters, GPUs, bytes per value, link bytes/s, peak FLOP/s, MFU, overlap)
+    (7e9, 1024, 2, 50e9, 989e12, 0.4, 2 / 3),
+    (1.3e9, 8, 2, 450e9, 989e12, 0.4, 2 / 3),
+    (1.3e9, 8, 4, 450e9, 989e12, 0.5, 1.0),
+    (125e6, 3, 4, 12.5e9, 312e12, 0.3, 0.5),
+]
+
+
+@exercise("ex-10-hide", function="my_tokens_to_hide", timeout=10)
+def tokens_to_hide(fn: Callable) -> str:
+    """``fn(num_params, world_size, bytes_per_value, link_bytes_per_s, peak_flops, mfu,
+    overlap)``: the fewest tokens per GPU per step whose compute hides a ring all-reduce of the
+    gradient (latency left out), against :func:`dpcourse.scaling.tokens_to_hide`. Rejects the
+    ring's 2(N-1)/N taken as 2, the whole compute taken as hiding it, and forward-only FLOPs."""
+    from dpcourse import costmodel, scaling
+
+    for params, n, width, beta, flops, mfu, overlap in HIDE_CASES:
+        gpu = scaling.GPU("the case's GPU", flops, "exercise")
+        comm = costmodel.all_reduce_time("ring", n, params * width, 0.0, beta)
+        want = scaling.tokens_to_hide(comm, params, gpu, mfu, overlap)
+        got = call_learner(fn, params, n, width, beta, flops, mfu, overlap)
+        if _close(got, want, 1e-6):
+            continue
+        where = (f"{params:.3g} parameters, {width} bytes each, {n} GPUs, {beta:.3g} B/s, "
+                 f"{flops:.3g} FLOP/s at MFU {mfu}, overlap {overlap:.3g}: expected "
+                 f"{want:,.0f} tokens, got {got!r}.")
+        hint = ""
+        if _close(got, want * 2 / (2 * (n - 1) / n)):
+            hint = " The ring sends 2(N-1)/N of the gradient per GPU, not 2 gradients."
+        elif _close(got, want * overlap):
+            hint = (" Only part of the step's compute can hide the all-reduce (the backward, "
+                    "`overlap` of it): divide by overlap x compute per token.")
+        elif _close(got, want * 3):
+            hint = " A training step costs 6 FLOPs per parameter per token, not 2 (forward only)."
+        raise Mismatch(where + hint)
+    return "T* = all-reduce time / (overlap x compute per token), for every case tried"
