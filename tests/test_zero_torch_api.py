@@ -83,6 +83,20 @@ def gap(a, b) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
+def three_steps(ref, ref_opt, model, opt) -> None:
+    """Three plain steps of the reference (gradients averaged as DDP would) and of ``model``
+    with the ShardedOptimizer ``opt``, on the same batches."""
+    rank = dist.get_rank()
+    for m, o, sharded in ((ref, ref_opt, False), (model, opt, True)):
+        for s in range(3):
+            x, y = batch(s, rank)
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            if not sharded:
+                average(m)
+            o.step()
+
+
 def _checks_on_rank(stage: int) -> dict:
     rank = dist.get_rank()
     out: dict = {}
@@ -148,14 +162,7 @@ def _checks_on_rank(stage: int) -> dict:
     ref_opt.add_param_group({"params": list(ref[2].parameters()), "lr": 3e-2})
     opt = ShardedOptimizer(list(model[0].parameters()), torch.optim.AdamW, stage=stage, **adamw)
     opt.add_param_group({"params": list(model[2].parameters()), "lr": 3e-2})
-    for m, o, sharded in ((ref, ref_opt, False), (model, opt, True)):
-        for s in range(3):
-            x, y = batch(s, rank)
-            o.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-            if not sharded:
-                average(m)
-            o.step()
+    three_steps(ref, ref_opt, model, opt)
     out["add_param_group"] = gap(list(model.parameters()), list(ref.parameters()))
     try:
         opt.add_param_group({"params": list(model[0].parameters())})
@@ -170,14 +177,7 @@ def _checks_on_rank(stage: int) -> dict:
     model[0].requires_grad_(False)
     ref_opt = torch.optim.AdamW(ref.parameters(), **adamw)
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **adamw)
-    for m, o, sharded in ((ref, ref_opt, False), (model, opt, True)):
-        for s in range(3):
-            x, y = batch(s, rank)
-            o.zero_grad()
-            nn.functional.mse_loss(m(x), y).backward()
-            if not sharded:
-                average(m)
-            o.step()
+    three_steps(ref, ref_opt, model, opt)
     full = opt.consolidate_state_dict(to=0)
     out["consolidated_elsewhere"] = full is None if rank else None
     if rank == 0:

@@ -252,7 +252,9 @@ class AllReduceTiming:
     @property
     def busbw(self) -> float:
         """Bus bandwidth (nccl-tests): ``algbw * 2(N-1)/N``, bytes per second."""
-        return self.algbw * 2 * (self.world_size - 1) / self.world_size
+        from dpcourse.commbench import bus_bandwidth
+
+        return bus_bandwidth(self.nbytes, self.seconds, self.world_size)
 
     def line(self) -> str:
         """The figures, labelled correctly."""

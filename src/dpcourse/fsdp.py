@@ -39,6 +39,7 @@ from dpcourse.collectives.p2p import rank_and_size
 from dpcourse.collectives.ring import ring_all_reduce
 from dpcourse.collectives.tree import tree_broadcast
 from dpcourse.fsdp_layer import CommThread, ShardedLayer
+from dpcourse.memory import tensors_in
 
 __all__ = ["FSDP"]
 
@@ -131,7 +132,7 @@ class FSDP(nn.Module):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             layer.use_full(False)
             layer.free()
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad: self._pre_backward(layer))
         return hook
@@ -170,7 +171,7 @@ class FSDP(nn.Module):
             layer.arrived, layer.reduced = 0, False
         out = self.module(*args, **kwargs)
         self._recorded = True
-        self._needs_sync = any(t.requires_grad for t in _tensors(out))
+        self._needs_sync = any(t.requires_grad for t in tensors_in(out))
         return out
 
     @torch.no_grad()
@@ -236,16 +237,6 @@ def _check_not_shared(module: nn.Module, names: list[str]) -> None:
                 "sharded layer gathers and frees its own parameters, so a shared one (tied "
                 "weights) must be in one sharded layer with all its users, or left unsharded"
             )
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def _cast(args: tuple, dtype: torch.dtype) -> tuple:

@@ -86,10 +86,8 @@ class CommThread:
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    *path, attr = name.split(".")
-    for part in path:
-        module = getattr(module, part)
-    return module, attr
+    path, _, attr = name.rpartition(".")
+    return module.get_submodule(path), attr
 
 
 @dataclass(eq=False)

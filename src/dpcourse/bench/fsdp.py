@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from dpcourse.bench import zero as zero_bench
+
 __all__ = ["record_collectives", "fsdp_step_events", "make_variant", "time_on_rank"]
 
 HELP = "FSDP (ZeRO-3) step time: ours with and without prefetch vs torch's fully_shard"
@@ -122,13 +124,8 @@ def fsdp_step_events(
 
 
 # ------------------------------------------------------------------------------ the benchmark
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=64, help="samples per rank")
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--out-features", type=int, default=1001)
+# The same options as bench zero (the same MLP, world sizes, repeats and batch).
+add_arguments = zero_bench.add_arguments
 
 
 def make_variant(name: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None], object]:
@@ -162,10 +159,9 @@ def time_on_rank(variants: tuple[str, ...], repeats: int, warmup: int, batch: in
     import torch.distributed as dist
 
     from dpcourse import runtime
-    from dpcourse.bench.zero import make_mlp
 
     rank, device = dist.get_rank(), runtime.device()
-    base = make_mlp(width, out).to(device)
+    base = zero_bench.make_mlp(width, out).to(device)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, width, generator=g).to(device)
     y = torch.randn(batch, out, generator=g).to(device)
@@ -247,11 +243,10 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
     "queued" (an instant: when the layer's all-gather was submitted)."""
     import torch.distributed as dist
 
-    from dpcourse.bench.zero import make_mlp
     from dpcourse.fsdp import FSDP
 
     rank = dist.get_rank()
-    fsdp = FSDP(make_mlp(width, out), prefetch=prefetch)
+    fsdp = FSDP(zero_bench.make_mlp(width, out), prefetch=prefetch)
     opt = torch.optim.Adam(fsdp.parameters(), lr=LR)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, width, generator=g), torch.randn(batch, out, generator=g)
@@ -317,7 +312,6 @@ def memory_by_stage_on_rank(width: int = 1024, out: int = 1001,
     ShardedOptimizer`) and 3 (:class:`~dpcourse.fsdp.FSDP` with a torch Adam on its shards)."""
     import torch.distributed as dist
 
-    from dpcourse.bench.zero import make_mlp
     from dpcourse.fsdp import FSDP
     from dpcourse.memory_measurement import optimizer_state_bytes
     from dpcourse.zero import ShardedOptimizer
@@ -326,7 +320,7 @@ def memory_by_stage_on_rank(width: int = 1024, out: int = 1001,
     x, y = torch.randn(batch, width, generator=g), torch.randn(batch, out, generator=g)
     held = {}
     for stage in range(4):
-        model = make_mlp(width, out)
+        model = zero_bench.make_mlp(width, out)
         if stage == 3:
             module = FSDP(model)
             opt = torch.optim.Adam(module.parameters(), lr=LR)
