@@ -5,6 +5,7 @@
 #   make lab    open the notebooks in JupyterLab
 #   make browser-test  load every built page in headless Chromium, network closed (after make book)
 #   make gpu-check     on a machine with GPUs: GPU tests, the notebooks on CUDA, GPU benchmarks
+#   make audit  every notebook again under the device audit: on this CPU, as on a GPU per rank
 # For instructors:
 #   make student                          student website and notebooks, without solutions
 #   make grade SUBMISSIONS=dir OUT=f.csv  execute submitted notebooks, write a score table
@@ -43,7 +44,7 @@ OMP = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS),)
 EXECUTED := _build/executed
 
 .PHONY: setup vendor book notebooks site student grade test unit lint test-notebooks bench lab \
-	clean browser-test gpu-check
+	clean browser-test gpu-check audit
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -138,6 +139,16 @@ browser-test: $(STAMP)
 # (tools/gpu_check.sh says what and how long); without a GPU it says so and fails.
 gpu-check: $(STAMP)
 	BIN=$(BIN) bash tools/gpu_check.sh
+
+# Every notebook under the device audit (dpcourse.device_audit, DPCOURSE_DEVICE_AUDIT=1): the
+# notebook and its ranks put their tensors where a machine with a GPU per rank (NCCL) would, on
+# this CPU, and a cell fails where that machine would fail (a batch left on the host, a host
+# tensor in a collective). The executed copies are not kept: the websites come from `make test`'s
+# run, whose timings the audit's bookkeeping would distort. Not part of `make test`, which runs
+# each notebook once; tests/test_device_audit.py (in `make test`) checks the audit itself.
+audit: $(STAMP)
+	$(OMP) DPCOURSE_DEVICE_AUDIT=1 DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python \
+	  -m pytest chapters $(NBVAL) $(NBXDIST) -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m dpcourse.bench launch

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dpcourse import device_audit
+
 __all__ = [
     "Machine",
     "RankInfo",
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=5)
+
+if device_audit.requested():  # a notebook's kernel or a test run under the audit
+    device_audit.enable()
 
 
 @dataclass(frozen=True)
@@ -138,8 +143,12 @@ def device_for_rank(
 
     * NCCL: ``cuda:<local_rank>``, one GPU per rank (an error if there are too few);
     * gloo with GPUs present: the GPUs are shared round-robin, ``cuda:<local_rank % gpus>``;
-    * gloo without GPUs: the CPU.
+    * gloo without GPUs: the CPU;
+    * under the device audit (``DPCOURSE_DEVICE_AUDIT=1``, :mod:`dpcourse.device_audit`): the
+      CPU, as the object that stands for ``cuda:<local_rank>``.
     """
+    if gpus is None and device_audit.requested():
+        return device_audit.DEVICE  # the CPU, standing in for cuda:<local_rank>
     gpus = gpu_count() if gpus is None else gpus
     if backend == "nccl":
         if gpus < local_world_size:
@@ -199,6 +208,8 @@ def init_process_group(
             "the default process group is already initialised in this process; "
             "call dpcourse.runtime.teardown() first"
         )
+    if device_audit.requested():
+        device_audit.enable()
     rank = _env_int("RANK")
     world_size = _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)

@@ -6,12 +6,15 @@ travels), the caller's ``sys.path`` (so that what it imported from its own modul
 the rank) and the source lines of notebook cells (so that tracebacks show the code). The rank
 runs it with :func:`run_job`, whose reply is ``("result", bytes)`` or, from
 :func:`error_reply`, ``("error", type name, message, traceback, pickled exception or None)``.
+Tensors in the result travel back on the CPU (:class:`HostPickler`), so that the caller can
+compare and plot what ranks on different GPUs returned, as on a machine without GPUs.
 
 Chapter 0: the course-wide launcher's plumbing.
 """
 
 from __future__ import annotations
 
+import io
 import linecache
 import os
 import pickle
@@ -20,6 +23,9 @@ import traceback
 from collections.abc import Callable
 
 import cloudpickle
+import torch
+
+from dpcourse import device_audit
 
 
 # ------------------------------------------------------------------------- the caller's side
@@ -58,6 +64,30 @@ def serialise(fn: Callable, args: tuple, kwargs: dict) -> bytes:
 
 
 # ---------------------------------------------------------------------------- the rank's side
+class HostPickler(cloudpickle.Pickler):
+    """cloudpickle, with every tensor on a GPU (or on the device audit's stand-in for one) sent
+    as a CPU copy: rank 1's ``cuda:1`` tensor would otherwise arrive on ``cuda:1`` in the caller
+    and fail to meet rank 0's, or the caller's CPU tensors."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and (
+            obj.device.type != "cpu" or device_audit.where(obj) == "device"
+        ):
+            host = obj.detach().cpu()
+            device_audit.tag(host, "host")
+            if obj.requires_grad and host.is_leaf:
+                host.requires_grad_(True)
+            return host.__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def host_dumps(obj) -> bytes:
+    """Pickle a rank's result with :class:`HostPickler`."""
+    buffer = io.BytesIO()
+    HostPickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
 def error_reply(exc: BaseException, skip_frames: int) -> tuple:
     tb = exc.__traceback__
     for _ in range(skip_frames):  # hide the worker's own frames: the learner's code comes first
@@ -92,7 +122,7 @@ def run_job(payload: bytes) -> tuple:
     except BaseException as exc:
         return error_reply(exc, 1)
     try:
-        return ("result", cloudpickle.dumps(result))
+        return ("result", host_dumps(result))
     except BaseException as exc:
         exc.add_note("(the function returned, but its result could not be sent back to the caller)")
         return error_reply(exc, 0)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from dpcourse import runtime
 from dpcourse.exercises.core import (
     Mismatch,
     any_rank,
@@ -27,7 +28,8 @@ def _all_reduce_on_rank(fn: Callable, lengths: list[int]) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     for n in lengths:
         g = torch.Generator().manual_seed(1000 * n + rank)
-        x = torch.randint(-9, 10, (n,), generator=g).float()  # exact sums in any order
+        # small integers: exact sums in any order; on the rank's device (NCCL takes no CPU tensor)
+        x = torch.randint(-9, 10, (n,), generator=g).float().to(runtime.device())
         want = x.clone()
         dist.all_reduce(want)
         got = x.clone()

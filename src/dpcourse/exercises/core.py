@@ -310,7 +310,10 @@ def any_rank(flag: bool) -> bool:
     ranks stop at the same case instead of some waiting for the others forever)."""
     import torch.distributed as dist
 
-    t = torch.tensor([1.0 if flag else 0.0])
+    from dpcourse import runtime
+
+    # on the rank's device: NCCL (a GPU per rank) takes no CPU tensors
+    t = torch.tensor([1.0 if flag else 0.0], device=runtime.device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
