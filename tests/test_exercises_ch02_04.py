@@ -4,15 +4,17 @@ names the problem."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from dpcourse import averaging, parameter_averaging, replication
-from dpcourse.exercises import registry, run_check
+from dpcourse import averaging, parameter_averaging, replication, scatter_gather
+from dpcourse.exercises import ch02, registry, run_check
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = {2: "02_data_parallel_idea", 3: "03_manual_replication", 4: "04_naive_averaging"}
@@ -62,26 +64,6 @@ def test_each_chapter_has_at_least_three_exercises(chapter):
 
 
 # ----------------------------------------------------------------------------- chapter 2
-def test_chunk_sizes():
-    expect_pass("ex-2-sizes",
-                lambda b, n: [len(c) for c in replication.chunk_data(torch.empty(b), n)])
-
-    def even_spread(b, n):
-        return [len(c) for c in torch.tensor_split(torch.empty(b), n)]
-
-    def floor_then_rest(b, n):
-        return [b // n] * (n - 1) + [b - (b // n) * (n - 1)]
-
-    def always_n_chunks(b, n):
-        c = -(-b // n)
-        return [c] * (n - 1) + [b - c * (n - 1)]
-
-    expect_fail("ex-2-sizes", even_spread, "batch of 30 on 8 devices", "Every chunk but the last")
-    expect_fail("ex-2-sizes", floor_then_rest, "expected [4, 4, 4, 4, 4, 4, 4, 2]",
-                "ceil(30/8) = 4")
-    expect_fail("ex-2-sizes", always_n_chunks, "batch of 9 on 8 devices", "makes only 5 chunks")
-
-
 def test_combine_gradients():
     expect_pass("ex-2-combine",
                 lambda grads, sizes: sum(s / sum(sizes) * g for s, g in zip(sizes, grads,
@@ -92,6 +74,65 @@ def test_combine_gradients():
     expect_fail("ex-2-combine",
                 lambda grads, sizes: sum(s * g for s, g in zip(sizes, grads, strict=True)),
                 "shards of sizes [50, 50]", "gradient of fc1.weight", "values differ")
+
+
+def one_after_another(replicas, inputs):
+    return [r(*x) for r, x in zip(replicas, inputs, strict=True)]
+
+
+def _in_threads(replicas, inputs, *, keep_order=True, grad_mode=True, catch=False):
+    """Threads, with each of parallel-apply's three duties optional."""
+    results, errors = [None] * len(replicas), []
+    grad = torch.is_grad_enabled()
+
+    def work(i):
+        try:
+            with torch.set_grad_enabled(grad) if grad_mode else contextlib.nullcontext():
+                out = replicas[i](*inputs[i])
+        except Exception as exc:
+            if not catch:
+                raise
+            errors.append(exc)
+            return
+        if keep_order:
+            results[i] = out
+        else:
+            results.append(out)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results if keep_order else [r for r in results if r is not None]
+
+
+def test_parallel_apply(monkeypatch):
+    monkeypatch.setattr(ch02, "BARRIER_TIMEOUT", 1.0)
+    expect_pass("ex-2-threads", scatter_gather.parallel_apply)
+    expect_pass("ex-2-threads", lambda r, x: _in_threads(r, x, catch=True))
+    expect_fail("ex-2-threads", one_after_another, "4 replicas", "ran one after another",
+                "threading.Thread")
+    expect_fail("ex-2-threads", lambda r, x: _in_threads(r, x, keep_order=False, catch=True),
+                "output 0 is replica 3's output", "not in the order the threads finish")
+    expect_fail("ex-2-threads", lambda r, x: _in_threads(r, x, grad_mode=False, catch=True),
+                "3 replicas under torch.no_grad()", "Grad mode is a per-thread setting")
+    expect_fail("ex-2-threads", _in_threads, "replica 1 raised ValueError in its thread",
+                "returned list instead of raising")
+
+    def vague(replicas, inputs):
+        try:
+            return _in_threads(replicas, inputs, catch=True)
+        except ValueError:
+            raise RuntimeError("a replica failed") from None
+
+    expect_fail("ex-2-threads", vague, "which does not say so")
+    expect_fail("ex-2-threads", lambda r, x: replication.parallel_apply(r, x),
+                "ready-made parallel_apply")
+    expect_fail("ex-2-threads", lambda r, x: torch.nn.parallel.parallel_apply(r, x),
+                "ready-made parallel_apply")
 
 
 # ----------------------------------------------------------------------------- chapter 3

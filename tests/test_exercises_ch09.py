@@ -39,15 +39,6 @@ def test_shard_bounds_check():
     assert not result.passed and "expected a pair (start, end)" in result.message
 
 
-def test_owner_check():
-    assert run_check("ex-9-owner", zero.owner_of).passed
-    result = run_check("ex-9-owner", lambda i, n, w: i * w // n)
-    assert not result.passed and "Proportional ownership" in result.message
-    result = run_check("ex-9-owner", lambda i, n, w: i // -(-n // w))
-    assert not result.passed and "one element shorter" in result.message
-    assert "element 8 of 10 on 4 ranks: expected rank 3, got 2" in result.message
-
-
 def test_zero_memory_check():
     assert run_check("ex-9-memory", zero_memory.zero_memory_per_rank).passed
     # floats are fine: the formula with / instead of integer division
@@ -151,6 +142,197 @@ def test_sharded_step_not_attempted():
         raise NotImplementedError("write it")
 
     assert run_check("ex-9-sharded-step", stub).status == "not attempted"
+
+
+# ------------------------------------------------------------------- ZeRO-2 during backward
+def _rank_chunks_padded(grad, world):
+    """Rank r's shard_bounds chunk of ``grad`` in part r of a flat buffer, each padded to the
+    longest (reduce_scatter_single hands out equal parts)."""
+    bounds = [zero.shard_bounds(grad.numel(), world, r) for r in range(world)]
+    longest = max(e - s for s, e in bounds)
+    send = grad.new_zeros(world * longest)
+    for r, (s, e) in enumerate(bounds):
+        send[r * longest : r * longest + e - s] = grad[s:e]
+    return send, longest, bounds
+
+
+def _hooks(params, launch, free=True):
+    """Register ``launch(p) -> (handle, output, shard numel)`` on every parameter; ``finish``
+    waits and returns the averaged shards in order."""
+    world = dist.get_world_size()
+    pending = {}
+
+    def hook(p, i):
+        pending[i] = launch(p)
+        if free:
+            p.grad = None
+
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda p, i=i: hook(p, i))
+
+    def finish():
+        shards = []
+        for i in range(len(params)):
+            handle, out, n = pending.pop(i)
+            if handle is not None:
+                handle.wait()
+            shards.append(out[:n] / world)
+        return shards
+
+    return finish
+
+
+def _reduce_scatter(p):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send, longest, bounds = _rank_chunks_padded(p.grad.detach().reshape(-1), world)
+    out = send.new_empty(longest)
+    start, end = bounds[rank]
+    return dist.reduce_scatter_single(out, send, async_op=True), out, end - start
+
+
+def reference_zero2_hooks(params):
+    return _hooks(params, _reduce_scatter)
+
+
+def ring_zero2_hooks(params):  # the package's ring, synchronous: also during backward
+    from dpcourse.collectives import ring_reduce_scatter
+
+    world = dist.get_world_size()
+
+    def launch(p):
+        grad = p.grad.detach().reshape(-1)
+        return None, ring_reduce_scatter(grad, op="sum"), grad.tensor_split(world)[
+            dist.get_rank()].numel()
+
+    return _hooks(params, launch)
+
+
+def all_reduce_then_slice(params):
+    def launch(p):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        grad = p.grad.detach().reshape(-1).clone()
+        start, end = zero.shard_bounds(grad.numel(), world, rank)
+        return dist.all_reduce(grad, async_op=True), grad[start:], end - start
+
+    return _hooks(params, launch)
+
+
+def ring_all_reduce_then_slice(params):
+    def launch(p):
+        from dpcourse.collectives import ring_all_reduce
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        grad = p.grad.detach().reshape(-1).clone()
+        ring_all_reduce(grad)
+        start, end = zero.shard_bounds(grad.numel(), world, rank)
+        return None, grad[start:], end - start
+
+    return _hooks(params, launch)
+
+
+def after_backward(params):
+    """Reduce-scatters everything in finish(), once backward has returned (stage 1's timing)."""
+    world = dist.get_world_size()
+
+    def finish():
+        shards = []
+        for p in params:
+            handle, out, n = _reduce_scatter(p)
+            handle.wait()
+            shards.append(out[:n] / world)
+            p.grad = None
+        return shards
+
+    return finish
+
+
+def all_at_the_last_hook(params):
+    """One bucket of everything, launched when the last gradient is ready."""
+    world, ready, pending = dist.get_world_size(), [], []
+
+    def hook(p):
+        ready.append(p)
+        if len(ready) == len(params):
+            for q in params:
+                pending.append(_reduce_scatter(q))
+                q.grad = None
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for handle, _, _ in pending:
+            handle.wait()
+        return [out[:n] / world for _, out, n in pending]
+
+    return finish
+
+
+def zero2_sum_not_mean(params):
+    finish = reference_zero2_hooks(params)
+    return lambda: [s * dist.get_world_size() for s in finish()]
+
+
+def keeps_full_gradient(params):
+    return _hooks(params, _reduce_scatter, free=False)
+
+
+def frees_at_the_end(params):
+    finish = keeps_full_gradient(params)
+
+    def finish_and_free():
+        shards = finish()
+        for p in params:
+            p.grad = None
+        return shards
+
+    return finish_and_free
+
+
+def padded_at_the_end(params):
+    """torch's equal chunks: the gradient padded at its end to N * ceil(numel / N)."""
+
+    def launch(p):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        grad = p.grad.detach().reshape(-1)
+        c = -(-grad.numel() // world)
+        padded = grad.new_zeros(world * c)
+        padded[: grad.numel()] = grad
+        out = grad.new_empty(c)
+        start, end = zero.shard_bounds(grad.numel(), world, rank)
+        return dist.reduce_scatter_single(out, padded, async_op=True), out, end - start
+
+    return _hooks(params, launch)
+
+
+def test_zero2_check_passes_the_references(short_timeouts):
+    assert run_check("ex-9-zero2", reference_zero2_hooks).passed
+    assert run_check("ex-9-zero2", ring_zero2_hooks).passed
+
+
+@pytest.mark.parametrize("wrong, phrases", [
+    (all_reduce_then_slice, ["you called dist.all_reduce", "an all-reduce twice that"]),
+    (ring_all_reduce_then_slice, ["you called collectives.ring_all_reduce"]),
+    (after_backward, ["every reduce-scatter started after backward had returned"]),
+    (all_at_the_last_hook, ["only once all 6 gradients were ready"]),
+    (zero2_sum_not_mean, ["the sum over the 2 ranks: divide by the world size"]),
+    (keeps_full_gradient, ["p.grad of parameters [0, 1, 2, 3, 4, 5] still holds the full "
+                           "gradient"]),
+    (frees_at_the_end, ["all 6 full gradients were still held"]),
+    (padded_at_the_end, ["equal chunks of ceil(7/3)", "this rank's shard is shard_bounds"]),
+])
+def test_zero2_check_rejects(short_timeouts, wrong, phrases):
+    result = run_check("ex-9-zero2", wrong)
+    assert result.status == "failed", result.text()
+    for phrase in phrases:
+        assert phrase in result.message, f"{phrase!r} not in: {result.message}"
+
+
+def test_zero2_not_attempted():
+    def stub(params):
+        raise NotImplementedError("write it")
+
+    assert run_check("ex-9-zero2", stub).status == "not attempted"
 
 
 # ------------------------------------------------------------------------------ FSDP

@@ -5,11 +5,14 @@ Chapter 9: exercise checks for sharded optimizers.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 
+from dpcourse import runtime
 from dpcourse.exercises.core import (
     Mismatch,
     any_rank,
@@ -68,33 +71,6 @@ def shard_bounds(fn: Callable) -> str:
     return "the same slices as the ring's reduce-scatter, for every case tried"
 
 
-@exercise("ex-9-owner", function="my_owner_of", timeout=10)
-def owner_of(fn: Callable) -> str:
-    """``fn(index, numel, world_size)``: the rank that owns element ``index``."""
-    from dpcourse.zero import owner_of as reference
-
-    for numel, world in SHARD_CASES:
-        for i in range(numel):
-            want, got = reference(i, numel, world), call_learner(fn, i, numel, world)
-            if got != want:
-                hint = ""
-                if got == i * world // numel:
-                    hint = (
-                        " Proportional ownership (index x N // numel) is close but not the "
-                        "ring's chunks, whose first numel % N ranks own one element more."
-                    )
-                elif got == i // -(-numel // world):
-                    hint = (
-                        " Not every slice is ceil(numel / N) long: after the first numel % N "
-                        "ranks they are one element shorter."
-                    )
-                raise Mismatch(
-                    f"element {i} of {numel} on {world} ranks: expected rank {want}, got "
-                    f"{got!r}.{hint}"
-                )
-    return "the right owner for every element of every case tried"
-
-
 @exercise("ex-9-memory", function="my_zero_memory", timeout=10)
 def zero_memory(fn: Callable) -> str:
     """``fn(num_params, world_size, stage, k=12)``: bytes per rank of the model states under
@@ -137,9 +113,10 @@ def _sharded_step_on_rank(fn: Callable, lengths: list[int], lr: float) -> list[s
 
     rank, world = dist.get_rank(), dist.get_world_size()
     for n in lengths:
-        params = torch.arange(n, dtype=torch.float32) / 7.0  # the same on every rank
+        dev = runtime.device()  # NCCL (a GPU per rank) takes no CPU tensors
+        params = torch.arange(n, dtype=torch.float32, device=dev) / 7.0  # same on every rank
         g = torch.Generator().manual_seed(1000 * n + rank)
-        grad = torch.randint(-9, 10, (n,), generator=g).float()  # each rank its own
+        grad = torch.randint(-9, 10, (n,), generator=g).float().to(dev)  # each rank its own
         mean = grad.clone()
         dist.all_reduce(mean)
         mean /= world
@@ -206,6 +183,211 @@ def sharded_step(fn: Callable) -> str:
         if problems:
             raise Mismatch(problems[0])
     return "reduce-scatter, a step on the shard and all-gather equal SGD on 2, 3 and 4 ranks"
+
+
+# ------------------------------------------------------------ ZeRO-2: reduce-scatter in backward
+# torch.distributed's reduce-scatters, which the exercise is about, and its other collectives,
+# which would move more bytes (an all-reduce sends twice what a reduce-scatter sends).
+REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter")
+OTHER_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                     "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather",
+                     "scatter")
+# The same for the package's collectives (chapter 6), by their names in dpcourse.collectives.
+PACKAGE_COLLECTIVES = {"ring_reduce_scatter": True, "ring_all_reduce": False,
+                       "ring_all_reduce_posted_ahead": False, "naive_all_reduce": False,
+                       "tree_all_reduce": False, "ring_all_gather": False}
+
+
+class _BackwardLog:
+    """What happened while the learner's hooks ran: every collective called (with how many
+    gradients were ready and whether backward was running), and the full gradients held."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.ready = 0  # gradients accumulated so far in this backward
+        self.in_backward = False
+        self.calls: list[tuple[str, bool, bool, int]] = []  # (name, is RS, in backward, ready)
+        self.held_at_last = 0  # full gradients held when the last one was computed
+        # Registered before the learner's hooks, so each runs just before the learner's own.
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self.ready += 1
+        if self.ready == len(self.params):
+            self.held_at_last = sum(p.grad is not None for p in self.params)
+
+    def _recording(self, name: str, is_reduce_scatter: bool, real: Callable) -> Callable:
+        def collective(*args, **kwargs):
+            self.calls.append((name, is_reduce_scatter, self.in_backward, self.ready))
+            return real(*args, **kwargs)
+
+        return collective
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Record the collectives called inside, under both of their names (torch's
+        ``distributed_c10d`` and ``torch.distributed``; the package's ``dpcourse.collectives``)."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        import dpcourse.collectives as ours
+
+        saved = []
+        names = [(n, True) for n in REDUCE_SCATTERS] + [(n, False) for n in OTHER_COLLECTIVES]
+        for name, is_rs in names:
+            for module in (c10d, dist):
+                if hasattr(module, name):
+                    saved.append((module, name, getattr(module, name)))
+                    setattr(module, name, self._recording(f"dist.{name}", is_rs,
+                                                          getattr(module, name)))
+        for name, is_rs in PACKAGE_COLLECTIVES.items():
+            saved.append((ours, name, getattr(ours, name)))
+            setattr(ours, name, self._recording(f"collectives.{name}", is_rs, getattr(ours, name)))
+        try:
+            yield
+        finally:
+            for module, name, real in reversed(saved):
+                setattr(module, name, real)
+
+
+def _zero2_model() -> nn.Module:
+    """Six tensors of 35, 7, 21, 3, 3 and 1 elements: 2 and 3 ranks rarely divide them, and the
+    last has fewer elements than ranks (some shards are empty)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 1))
+
+
+def _zero2_on_rank(fn: Callable) -> list[str]:
+    """Runs on every rank: the learner's hooks on a model of awkward sizes, one backward, and
+    the shards ``finish()`` returns against the averaged gradients of a reference."""
+    import copy
+
+    import torch.distributed as dist
+
+    from dpcourse import runtime
+    from dpcourse.flat_shards import shard_bounds
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = runtime.device()
+    model = _zero2_model().to(device)
+    g = torch.Generator().manual_seed(100 + rank)  # every rank its own samples
+    x = torch.randn(8, 5, generator=g).to(device)
+    y = torch.randn(8, 1, generator=g).to(device)
+    loss_fn = nn.MSELoss()
+
+    reference = copy.deepcopy(model)  # the gradients every rank should average
+    loss_fn(reference(x), y).backward()
+    summed = [p.grad.detach().reshape(-1).clone() for p in reference.parameters()]
+    for s in summed:
+        dist.all_reduce(s)  # the check's own reference, before the learner's code runs
+
+    params = list(model.parameters())
+    log = _BackwardLog(params)
+    with log.watching():
+        finish = fn(params)
+        if not callable(finish):
+            raise Mismatch(f"my_zero2_hooks should return a function finish(), got {finish!r}")
+        loss = loss_fn(model(x), y)
+        log.in_backward = True
+        try:
+            loss.backward()
+        finally:
+            log.in_backward = False
+        shards = finish()
+    problem = _zero2_problem(log, params, shards, summed, rank, world, shard_bounds)
+    return [problem] if problem else []
+
+
+def _zero2_problem(log, params, shards, summed, rank, world, shard_bounds) -> str | None:
+    where = f"{world} ranks, rank {rank}"
+    others = sorted({name for name, is_rs, _, _ in log.calls if not is_rs})
+    if others:
+        return (f"{where}: you called {', '.join(others)}. Each rank needs only its shard of the "
+                "averaged gradient: a reduce-scatter sends (N-1)/N of the gradient per rank, an "
+                "all-reduce twice that, for a whole gradient the rank then throws away. Call "
+                "dist.reduce_scatter_single (or collectives.ring_reduce_scatter) only.")
+    scatters = [(during, ready) for name, is_rs, during, ready in log.calls if is_rs]
+    if not scatters:
+        return (f"{where}: no reduce-scatter was called. Reduce-scatter each gradient with "
+                "dist.reduce_scatter_single(output, input, async_op=True).")
+    if not any(during for during, _ in scatters):
+        return (f"{where}: every reduce-scatter started after backward had returned (in "
+                "finish()). ZeRO-2 starts each one from a hook, as soon as its gradient is "
+                "ready, so that communication overlaps the rest of backward and each full "
+                "gradient can be freed at once; finish() only waits.")
+    if not any(during and ready < len(params) for during, ready in scatters):
+        return (f"{where}: your reduce-scatters started only once all {len(params)} gradients "
+                "were ready: the full gradient existed whole, as at stage 1. Start each "
+                "parameter's reduce-scatter from its own post-accumulate-grad hook.")
+    if not isinstance(shards, list | tuple) or len(shards) != len(params):
+        return (f"{where}: finish() should return a list of {len(params)} shards, one per "
+                f"parameter in the order given, got {type(shards).__name__}"
+                + (f" of {len(shards)}" if isinstance(shards, list | tuple) else ""))
+    kept = [i for i, p in enumerate(params) if p.grad is not None]
+    if kept:
+        return (f"{where}: after backward, p.grad of parameters {kept} still holds the full "
+                "gradient. Stage 2 keeps only the shard: set p.grad = None once its "
+                "reduce-scatter is launched (the collective keeps what it needs).")
+    if log.held_at_last == len(params):
+        return (f"{where}: when the last gradient was computed, all {len(params)} full "
+                "gradients were still held. Free each (p.grad = None) in its hook, once its "
+                "reduce-scatter is launched, not at the end.")
+    for i, (p, got, total) in enumerate(zip(params, shards, summed, strict=True)):
+        n = total.numel()
+        start, end = shard_bounds(n, world, rank)
+        want = total[start:end] / world
+        what = f"{where}, parameter {i} ({n} elements)"
+        if not isinstance(got, torch.Tensor):
+            return f"{what}: expected a tensor (the shard), got {type(got).__name__}"
+        if got.device != p.device:
+            return f"{what}: the shard is on {got.device}, the parameter on {p.device}"
+        if got.dtype != p.dtype:
+            return f"{what}: the shard is {got.dtype}, the parameter {p.dtype}"
+        got = got.detach().reshape(-1)
+        if got.numel() != end - start:
+            hint = (" A rank's shard is shard_bounds(numel, N, rank), the ring's chunks: pad "
+                    "each rank's chunk to the longest before the reduce-scatter, not the "
+                    "tensor's end, and keep only the shard's elements of the output.")
+            if got.numel() == n:
+                hint = " That is the whole gradient: keep only this rank's shard of it."
+            return (f"{what}: expected the shard [{start}, {end}) of {end - start} elements, got "
+                    f"{got.numel()}.{hint}")
+        if torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            continue
+        if world > 1 and torch.allclose(got, want * world, rtol=1e-5, atol=1e-6):
+            return (f"{what}: the shard is the sum over the {world} ranks: divide by the world "
+                    "size (the gradient is averaged, as in DDP).")
+        ceil = -(-n // world)  # torch's equal parts of the gradient padded at its end
+        padded = torch.cat([total, total.new_zeros(world * ceil - n)])
+        first = rank * ceil
+        if torch.allclose(got, padded[first : first + got.numel()] / world, rtol=1e-5,
+                          atol=1e-6):
+            return (f"{what}: you kept elements [{first}, {first + got.numel()}) of the "
+                    f"averaged gradient padded at its end, equal chunks of ceil({n}/{world}) = "
+                    f"{ceil}; this rank's shard is shard_bounds: [{start}, {end}). Pad each "
+                    "rank's chunk to the longest before the reduce-scatter, not the tensor's "
+                    "end.")
+        return (f"{what}: the shard differs from this rank's slice [{start}, {end}) of the "
+                "gradient averaged over the ranks (did you wait for the handle before reading "
+                "the output?)")
+    return None
+
+
+@exercise("ex-9-zero2", function="my_zero2_hooks", timeout=120)
+def zero2_hooks(fn: Callable) -> str:
+    """``fn(params)`` registers hooks that reduce-scatter each parameter's gradient as soon as
+    backward has computed it, keep this rank's shard (``shard_bounds``) of the average and free
+    the full gradient; it returns ``finish()``, which waits and returns the shards. Checked on 2
+    and 3 ranks; rejects an all-reduce, reduce-scatters after backward, a sum and a kept
+    ``p.grad``."""
+    for world in (2, 3):
+        results = run_learner_on_ranks(_zero2_on_rank, world, fn, timeout=RANK_TIMEOUT)
+        problems = [p for r in results for p in r]
+        if problems:
+            raise Mismatch(problems[0])
+    return ("each gradient reduce-scattered during backward, the full gradient freed, and the "
+            "averaged shards right on 2 and 3 ranks")
 
 
 # --------------------------------------------------------------------------- FSDP (stage 3)
