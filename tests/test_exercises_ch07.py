@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -153,3 +155,265 @@ def test_average_check(short_timeouts, pools):
     assert not result.passed and "frozen fc1.bias" in result.message
     result = run_check("ex-7-average", average_nothing)
     assert not result.passed and "did not change" in result.message
+
+
+# --------------------------------------------------------------------------- bucketed DDP
+# The notebook's solution of ex-7-bucketed-ddp, and wrong answers that change one method.
+class MyBucketedDDP:
+    """Averages the gradients of `module` over the ranks, in buckets of `bucket_cap_bytes`,
+    each all-reduced asynchronously as soon as it is full, while backward goes on."""
+
+    def __init__(self, module, bucket_cap_bytes):
+        ddp.broadcast_parameters(module)  # step 1: every rank starts from rank 0's weights
+        self.world_size = dist.get_world_size()
+        params = [p for p in module.parameters() if p.requires_grad]
+        sizes = [p.numel() * p.element_size() for p in params]
+        # lists of parameters, the last registered first (exercise ex-7-buckets)
+        self.buckets = [[params[i] for i in b]
+                        for b in buckets.bucket_assignment(sizes, bucket_cap_bytes)]
+        self.bucket_of = {p: k for k, bucket in enumerate(self.buckets) for p in bucket}
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self.arrived = [0] * len(self.buckets)  # gradients arrived in each bucket this step
+        self.next_to_launch = 0  # buckets leave strictly in this order
+        self.pending = []  # (bucket index, flat tensor, Work) of the launched all-reduces
+        for p in params:
+            p.register_post_accumulate_grad_hook(self.mark_ready)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients on this rank."""
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
+    def mark_ready(self, param):
+        """The gradient hook: `param.grad` is complete. Launch every bucket that is now full
+        and next in line."""
+        if not self.require_backward_grad_sync:
+            return  # inside no_sync(): the gradient stays here and accumulates
+        self.arrived[self.bucket_of[param]] += 1
+        while (self.next_to_launch < len(self.buckets)
+               and self.arrived[self.next_to_launch] == len(self.buckets[self.next_to_launch])):
+            self.launch(self.next_to_launch)
+
+    def launch(self, k):
+        """Start bucket k's all-reduce: its gradients as one flat tensor, divided by N."""
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.buckets[k]]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
+        self.pending.append((k, flat, dist.all_reduce(flat, async_op=True)))
+        self.next_to_launch = k + 1
+
+    def finish(self):
+        """After the last backward of a step: launch the buckets still waiting, wait for all,
+        write the means back into the gradients, and get ready for the next step."""
+        while self.next_to_launch < len(self.buckets):
+            self.launch(self.next_to_launch)  # held back by a parameter without a gradient
+        for k, flat, work in self.pending:
+            work.wait()
+            numels = [p.numel() for p in self.buckets[k]]
+            for p, mean in zip(self.buckets[k], flat.split(numels), strict=True):
+                p.grad = mean.view_as(p)
+        self.arrived = [0] * len(self.buckets)
+        self.next_to_launch, self.pending = 0, []
+
+
+def my_bucketed_ddp(module, bucket_cap_bytes):
+    return MyBucketedDDP(module, bucket_cap_bytes)
+
+
+class PackageDDP:
+    """The package's own DDP behind the exercise's interface."""
+
+    def __init__(self, module, cap):
+        self.ddp = ddp.DDP(module, bucket_cap_mb=cap / buckets.MB)
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def finish(self):
+        self.ddp.finish_gradient_synchronization()
+
+
+class NoOverlap(MyBucketedDDP):
+    def mark_ready(self, param):
+        pass  # everything waits for finish()
+
+
+class SkipsUnused(MyBucketedDDP):
+    def finish(self):
+        for k in range(self.next_to_launch, len(self.buckets)):
+            if self.arrived[k] == len(self.buckets[k]):
+                self.launch(k)
+        self.next_to_launch = len(self.buckets)
+        super().finish()
+
+
+class LaunchesAsTheyFill(MyBucketedDDP):
+    def mark_ready(self, param):
+        if not self.require_backward_grad_sync:
+            return
+        k = self.bucket_of[param]
+        self.arrived[k] += 1
+        if self.arrived[k] == len(self.buckets[k]):
+            self.launch(k)
+
+    def launch(self, k):
+        super().launch(k)
+        self.launched = getattr(self, "launched", set()) | {k}
+
+    def finish(self):
+        for k in range(len(self.buckets)):
+            if k not in getattr(self, "launched", set()):
+                super().launch(k)
+        self.launched = set()
+        self.next_to_launch = len(self.buckets)
+        super().finish()
+
+
+class SyncsInsideNoSync(MyBucketedDDP):
+    def mark_ready(self, param):
+        self.arrived[self.bucket_of[param]] += 1
+        while (self.next_to_launch < len(self.buckets)
+               and self.arrived[self.next_to_launch] == len(self.buckets[self.next_to_launch])):
+            self.launch(self.next_to_launch)
+
+
+class DividesEveryMicroStep(MyBucketedDDP):
+    def mark_ready(self, param):
+        param.grad.div_(self.world_size)  # before looking at no_sync: again in every micro-step
+        super().mark_ready(param)
+
+    def launch(self, k):
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.buckets[k]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.pending.append((k, flat, dist.all_reduce(flat, async_op=True)))
+        self.next_to_launch = k + 1
+
+
+class ZerosForUnused(MyBucketedDDP):
+    """Sends zeros for a parameter whose hook did not fire in the last backward, even if
+    no_sync() accumulated a gradient for it."""
+    def mark_ready(self, param):
+        if self.require_backward_grad_sync:
+            self.fired = getattr(self, "fired", set()) | {param}
+        super().mark_ready(param)
+
+    def launch(self, k):
+        fired = getattr(self, "fired", set())
+        grads = [p.grad if p in fired else torch.zeros_like(p) for p in self.buckets[k]]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
+        self.pending.append((k, flat, dist.all_reduce(flat, async_op=True)))
+        self.next_to_launch = k + 1
+
+    def finish(self):
+        super().finish()
+        self.fired = set()
+
+
+class PerParameter(MyBucketedDDP):
+    def launch(self, k):
+        for p in self.buckets[k]:
+            g = (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) / self.world_size
+            self.pending.append((None, (p, g), dist.all_reduce(g, async_op=True)))
+        self.next_to_launch = k + 1
+
+    def finish(self):
+        while self.next_to_launch < len(self.buckets):
+            self.launch(self.next_to_launch)
+        for _, (p, g), work in self.pending:
+            work.wait()
+            p.grad = g.view_as(p)
+        self.arrived = [0] * len(self.buckets)
+        self.next_to_launch, self.pending = 0, []
+
+
+class Blocking(MyBucketedDDP):
+    def launch(self, k):
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.buckets[k]]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
+        dist.all_reduce(flat)
+        self.pending.append((k, flat, dist.barrier(async_op=True)))
+        self.next_to_launch = k + 1
+
+
+class Sums(MyBucketedDDP):
+    def launch(self, k):
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.buckets[k]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.pending.append((k, flat, dist.all_reduce(flat, async_op=True)))
+        self.next_to_launch = k + 1
+
+
+class NoWriteBack(MyBucketedDDP):
+    def finish(self):
+        while self.next_to_launch < len(self.buckets):
+            self.launch(self.next_to_launch)
+        for _, _, work in self.pending:
+            work.wait()
+        self.arrived = [0] * len(self.buckets)
+        self.next_to_launch, self.pending = 0, []
+
+
+def answer(cls):
+    return lambda module, cap: cls(module, cap)
+
+
+BUCKETED_DDP_WRONG = [
+    (NoOverlap, "no all-reduce was launched while backward ran"),
+    (SkipsUnused, "`extra` got no gradient on rank 1, so bucket 1 never filled"),
+    (LaunchesAsTheyFill, "strictly in bucket order"),
+    (SyncsInsideNoSync, "in a backward inside no_sync()"),
+    (DividesEveryMicroStep, "divides the accumulated sum once"),
+    (ZerosForUnused, "still sends what it accumulated"),
+    (PerParameter, "one all-reduce per parameter"),
+    (Blocking, "without async_op=True inside backward"),
+    (Sums, "sum of the ranks' gradients, not their mean"),
+    (NoWriteBack, "still this rank's own gradient"),
+]
+
+
+def test_bucketed_ddp_check_passes_the_solution_and_the_package(short_timeouts, pools):
+    assert run_check("ex-7-bucketed-ddp", my_bucketed_ddp).passed
+    assert run_check("ex-7-bucketed-ddp", PackageDDP).passed
+
+
+@pytest.mark.parametrize(
+    ("wrong", "says"), BUCKETED_DDP_WRONG, ids=[w.__name__ for w, _ in BUCKETED_DDP_WRONG]
+)
+def test_bucketed_ddp_check_rejects(wrong, says, short_timeouts, pools):
+    result = run_check("ex-7-bucketed-ddp", answer(wrong))
+    assert not result.passed and says in result.message, result.message
+
+
+def test_bucketed_ddp_stub_is_not_attempted(short_timeouts, pools):
+    """The student edition's class: its methods raise NotImplementedError inside backward."""
+    from dpcourse.exercises.core import not_attempted
+
+    message = "Exercise ex-7-bucketed-ddp: write your solution here"
+
+    class Stub(MyBucketedDDP):
+        def mark_ready(self, param):
+            raise NotImplementedError(message)
+
+        def launch(self, k):
+            raise NotImplementedError(message)
+
+        def finish(self):
+            raise NotImplementedError(message)
+
+    result = run_check("ex-7-bucketed-ddp", answer(Stub))
+    assert result == not_attempted("ex-7-bucketed-ddp", message)
+
+
+def test_bucketed_ddp_check_names_a_rank_that_skipped_the_last_bucket():
+    """A rank that ends its step one all-reduce short, the other launching the bucket of the
+    parameters it did not use: the ranks stop there and the message says why, no hang."""
+    launches = ch07._Launches(None, [["b.weight"], ["extra.bias", "extra.weight"]], [65, 182],
+                              {"b.weight": 65, "extra.bias": 13, "extra.weight": 169}, None)
+    launches.step = 0  # `extra` used on rank 0 only
+    rows = [[launches.CALL, 0, 1, 182, 0, 0, 0], [launches.END, 0, 1, 0, 0, 1, 0]]
+    message = launches._verdict(rows)
+    assert "rank 1 ended the step after 1 all-reduce(s), while rank 0 launched another" in message
+    assert "`extra` got no gradient on rank 1" in message

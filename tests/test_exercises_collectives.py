@@ -165,3 +165,28 @@ def test_the_checks_reject_the_library_a_relay_and_a_gather(short_timeouts):
     assert not result.passed and "only to its right neighbour" in result.message
     result = run_check("ex-6-ring", ring_of_whole_tensors)
     assert not result.passed and "not the whole of it" in result.message
+
+
+def test_the_overlap_exercise_solution_runs_and_times_with_the_device_clock(capsys):
+    """ex-5-overlap's solution (a code block in the notebook's text, so nbval does not run it):
+    it runs, and times with dpcourse.timing.DeviceClock, not the host's clock alone."""
+    import json
+    import re
+    from pathlib import Path
+
+    from dpcourse.launch import run_ranks
+
+    notebook = Path(__file__).resolve().parents[1] / "chapters" / "05_collectives.ipynb"
+    text = next(
+        "".join(c["source"])
+        for c in json.loads(notebook.read_text())["cells"]
+        if "{solution} ex-5-overlap" in "".join(c["source"])
+    )
+    solution = text[text.index("{solution} ex-5-overlap"):]
+    code = re.search(r"```python\n(.*?)```", solution, re.S).group(1)
+    assert "DeviceClock" in code and "perf_counter" not in code
+    namespace = {"__name__": "ex_5_overlap", "torch": torch, "dist": dist,
+                 "run_ranks": run_ranks}
+    exec(compile(code, "ex-5-overlap solution", "exec"), namespace)
+    blocking, overlapped = (float(v) for v in capsys.readouterr().out.split())
+    assert blocking > 0 and overlapped > 0

@@ -176,30 +176,37 @@ def timed_backward(ddp_model, loss) -> StepTimeline:
     engine's end-of-backward callback started), ``finished_s`` when they were all averaged.
 
     The recorder wraps the reducer's ``_launch`` and DDP's end-of-backward callback for the
-    duration of the step (neither has timing code). Completion is when the backend reported it
-    (a callback on the all-reduce's future): exact for gloo; for NCCL it can be earlier than
-    the GPU's work (use torch.profiler there).
+    duration of the step (neither has timing code), and reads a
+    :class:`dpcourse.timing.DeviceClock` on the loss's device. On the CPU that is the host's
+    clock, and completion is when gloo reported it (a callback on the all-reduce's future).
+    On a GPU every time is a CUDA event: "launched" is recorded on the compute stream right
+    after the launch, so it is when the GPU had computed the bucket's gradients and the
+    all-reduce could start; "completed" is recorded in the future's callback, on a stream that
+    waits for the all-reduce, so it is when the GPU had finished it (the host's clock would
+    show only when each was queued).
     """
+    from dpcourse.timing import DeviceClock
+
     reducer = ddp_model.reducer
     launch_untimed = reducer._launch
-    timings: list[BucketTiming] = []
-    t0 = time.perf_counter()
+    clock = DeviceClock(loss.device)
+    launches: list = []  # (index, nbytes, stamp)
+    completions: dict = {}  # index -> stamp, from the futures' callbacks
 
     def launch_timed(bucket) -> None:
         launch_untimed(bucket)
-        timing = BucketTiming(bucket.index, bucket.nbytes, time.perf_counter() - t0, -1.0)
-        timings.append(timing)
+        launches.append((bucket.index, bucket.nbytes, clock.stamp()))
 
-        def done(fut, timing=timing):
-            timing.completed_s = time.perf_counter() - t0
+        def done(fut, index=bucket.index):
+            completions[index] = clock.stamp()
 
         bucket.work.get_future().then(done)
 
     finish_untimed = ddp_model._finish_at_end_of_backward
-    computed: list[float] = []
+    computed: list = []
 
     def finish_timed() -> None:
-        computed.append(time.perf_counter() - t0)
+        computed.append(clock.stamp())
         finish_untimed()
 
     reducer._launch = launch_timed  # instance attributes: this model, this step only
@@ -207,13 +214,19 @@ def timed_backward(ddp_model, loss) -> StepTimeline:
     try:
         loss.backward()
         ddp_model.finish_gradient_synchronization()  # already done: returns at once
-        finished_s = time.perf_counter() - t0
+        finished = clock.stamp()
     finally:
         del reducer._launch, ddp_model._finish_at_end_of_backward
-    backward_s = computed[0] if computed else finished_s
     deadline = time.perf_counter() + 1.0
-    while any(t.completed_s < 0 for t in timings) and time.perf_counter() < deadline:
+    while len(completions) < len(launches) and time.perf_counter() < deadline:
         time.sleep(1e-4)  # the callbacks may run a moment after wait() returns
+    finished_s = clock.seconds(finished)
+    backward_s = clock.seconds(computed[0]) if computed else finished_s
+    timings = [
+        BucketTiming(index, nbytes, clock.seconds(stamp),
+                     clock.seconds(completions[index]) if index in completions else -1.0)
+        for index, nbytes, stamp in launches
+    ]
     return StepTimeline(backward_s, finished_s, sorted(timings, key=lambda t: t.index))
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from dpcourse import runtime
 from dpcourse.exercises.core import (
     Mismatch,
     any_rank,
@@ -30,7 +31,7 @@ def _broadcast_on_rank(fn: Callable) -> list[str]:
     rounds = (world - 1).bit_length()  # ceil(log2 N)
     for src in range(world):
         for n in (1, 7, 1000):
-            x = torch.arange(n, dtype=torch.float32) + 100 * rank
+            x = torch.arange(n, dtype=torch.float32, device=runtime.device()) + 100 * rank
             want = x.clone()
             dist.broadcast(want, src)
             got = x.clone()

@@ -5,9 +5,12 @@ Chapter 7: exercise checks for DistributedDataParallel.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from dpcourse.exercises.core import Mismatch, call_learner, exercise, run_learner_on_ranks
 
@@ -286,3 +289,375 @@ def all_reduce_gradients(fn: Callable) -> str:
         if problem:
             raise Mismatch(problem)
     return "every gradient is the mean over the ranks, frozen ones left alone, on 2 and 3 ranks"
+
+
+# ------------------------------------------------------------------------------ bucketed DDP
+class _Branchy(nn.Module):
+    """7 features -> 3 outputs with awkward sizes, a frozen bias, and a layer ``extra`` in the
+    middle that a step may leave unused on some ranks or on all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra = nn.Linear(7, 13), nn.Linear(13, 13)
+        self.b, self.c = nn.Linear(13, 5), nn.Linear(5, 3)
+        self.c.bias.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        if use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return self.c(torch.relu(self.b(h)))
+
+
+# Caps in bytes: 3 buckets of 85, 182 and 104 values (`extra` alone in the middle one), and 2
+# of 267 and 104 (`extra` with b and c). Every bucket's size differs from the others' of its
+# cap and from every single parameter's, so an all-reduce's size says which bucket it carries.
+DDP_CAPS = (300, 700)
+# Each step's micro-batches: (inside no_sync(), which ranks use `extra`); the last is synced.
+DDP_STEPS = [
+    [(False, "rank 0")],
+    [(False, "all")],
+    [(False, "none")],
+    [(True, "all"), (True, "none"), (False, "rank 0")],
+    [(True, "all"), (False, "all")],
+]
+DDP_LR = 0.1
+# Gradients against torch's DDP: the same sums in another order, so a few float32 roundings on
+# the CPU; NCCL and cuBLAS sum in their own orders, hence the looser GPU tolerance.
+DDP_TOLERANCE = {"cpu": dict(rtol=1e-5, atol=1e-6), "cuda": dict(rtol=1e-4, atol=1e-5)}
+
+
+class _Stop(Exception):
+    """Raised on every rank at once when the ranks' all-reduces disagree (instead of a hang)."""
+
+
+def _uses_extra(users: str, rank: int) -> bool:
+    return users == "all" or (users == "rank 0" and rank == 0)
+
+
+def _ddp_batch(rank: int, step: int, micro: int, device: torch.device):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    n = 2 + (rank + step + micro) % 4  # 2 to 5 samples: uneven micro-batches and shards
+    return torch.randn(n, 7, generator=g).to(device), torch.randn(n, 3, generator=g).to(device)
+
+
+def _run_step(model: Callable, rank: int, step: int, device: torch.device,
+              no_sync: Callable, before: Callable = lambda inside: None) -> None:
+    """The micro-batches of ``DDP_STEPS[step]``, forward and backward, those marked so inside
+    ``no_sync()``; ``before(inside_no_sync)`` runs before each backward."""
+    import torch.nn.functional as F
+
+    for k, (inside, users) in enumerate(DDP_STEPS[step]):
+        x, y = _ddp_batch(rank, step, k, device)
+        with no_sync() if inside else contextlib.nullcontext():
+            loss = F.mse_loss(model(x, _uses_extra(users, rank)), y)
+            before(inside)
+            loss.backward()
+
+
+def _ddp_reference(model: nn.Module, rank: int, device: torch.device) -> list[dict]:
+    """torch's DDP(find_unused_parameters=True) through ``DDP_STEPS``: per step, each
+    parameter's averaged gradient ("want") and this rank's own accumulated one ("local")."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    # A parameter no step uses: torch's DDP would otherwise print a warning on every rank the
+    # first time a step finds no unused parameter (the learner's model does not have it).
+    holder = nn.Module()
+    holder.net, holder.spare = model, nn.Parameter(torch.zeros(1, device=device))
+    holder.forward = model.forward
+    wrapped = DistributedDataParallel(
+        holder,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=True,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=DDP_LR)
+    steps = []
+    for step in range(len(DDP_STEPS)):
+        alone = copy.deepcopy(model)  # the same weights, no communication: the local gradient
+        _run_step(alone, rank, step, device, contextlib.nullcontext)
+        optimizer.zero_grad(set_to_none=True)
+        _run_step(wrapped, rank, step, device, wrapped.no_sync)
+        steps.append({
+            "local": {n: p.grad for n, p in alone.named_parameters() if p.requires_grad},
+            "want": {n: None if p.grad is None else p.grad.clone()
+                     for n, p in model.named_parameters() if p.requires_grad},
+        })
+        optimizer.step()
+    return steps
+
+
+class _Launches:
+    """Stands in for ``dist.all_reduce`` while the learner's DDP runs the steps. Before each
+    all-reduce, every rank tells the others (an all_gather over a gloo group of the check's
+    own) what it is about to launch; at the end of a step, how many it launched. If the ranks
+    disagree, or launch something other than the next bucket, every rank raises
+    :class:`_Stop` at that point, before a real all-reduce could pair mismatched tensors."""
+
+    CALL, END = 0, 1
+
+    def __init__(self, side, names: list[list[str]], numels: list[int],
+                 param_numels: dict[str, int], real: Callable) -> None:
+        self.side, self.names, self.numels, self.real = side, names, numels, real
+        self.param_numels = param_numels
+        self.step, self.inside_no_sync, self.in_backward = -1, False, False
+        self.count, self.count_in_backward = 0, 0
+        self.problem: str | None = None
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        if self.step < 0:  # outside the check's steps
+            return self.real(tensor, *args, **kwargs)
+        blocking = not kwargs.get("async_op", len(args) >= 3 and args[2])
+        self._agree([self.CALL, self.step, self.count, tensor.numel(),
+                     int(self.inside_no_sync), int(self.in_backward), int(blocking)])
+        self.count += 1
+        self.count_in_backward += int(self.in_backward)
+        return self.real(tensor, *args, **kwargs)
+
+    def end_of_step(self) -> None:
+        self._agree([self.END, self.step, self.count, 0, 0, self.count_in_backward, 0])
+        self.count, self.count_in_backward = 0, 0
+
+    def _agree(self, row: list[int]) -> None:
+        import torch.distributed as dist
+
+        mine = torch.tensor(row, dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.side))]
+        dist.all_gather(rows, mine, group=self.side)
+        self.problem = self._verdict([r.tolist() for r in rows])
+        if self.problem:
+            raise _Stop(self.problem)
+
+    def _bucket(self, numel: int) -> str:
+        if numel in self.numels:
+            k = self.numels.index(numel)
+            return f"bucket {k} ({numel} values: {', '.join(self.names[k])})"
+        return f"{numel} values (no bucket has that size)"
+
+    def _unused(self, k: int, ranks) -> str:
+        """Why ``ranks`` may have held bucket ``k`` back in this step, if they may have."""
+        users = DDP_STEPS[self.step][-1][1]
+        idle = [r for r in ranks if not _uses_extra(users, r)]
+        if not idle or not any(n.startswith("extra.") for n in self.names[k]):
+            return ""
+        who = "any rank" if users == "none" else "rank " + ", ".join(map(str, idle))
+        return (f" In the last backward of step {self.step}, `extra` got no gradient on {who}, "
+                f"so bucket {k} never filled there; but every rank must launch every bucket (in "
+                "finish(), with zeros for the gradients that never came, or what no_sync() "
+                "accumulated), or the ranks pair different all-reduces or wait for each other "
+                "forever.")
+
+    def _verdict(self, rows: list[list[int]]) -> str | None:
+        step, due = self.step, len(self.numels)
+        for r, (kind, _, _, numel, inside, in_backward, blocking) in enumerate(rows):
+            if kind == self.CALL and inside:
+                return (f"step {step}: rank {r} launched an all-reduce ({numel} values) in a "
+                        "backward inside no_sync(). Inside no_sync() gradients only accumulate "
+                        "locally: the hook must return at once, and the next backward outside "
+                        "no_sync() sends the accumulated sum")
+            if kind == self.CALL and in_backward and blocking:
+                return (f"step {step}: rank {r} called dist.all_reduce without async_op=True "
+                        f"inside backward ({self._bucket(numel)}): it holds backward up until "
+                        "the bucket has travelled. Launch it with async_op=True, keep the Work "
+                        "and wait for it in finish()")
+        what = [row[:4] for row in rows]  # kind, step, index, size: what each rank launched
+        if any(w != what[0] for w in what):
+            ends = [r for r, row in enumerate(rows) if row[0] == self.END]
+            calls = [r for r, row in enumerate(rows) if row[0] == self.CALL]
+            if ends and calls:
+                r, q = ends[0], calls[0]
+                numel = rows[q][3]
+                k = self.numels.index(numel) if numel in self.numels else -1
+                return (f"step {step}: rank {r} ended the step after {rows[r][2]} "
+                        f"all-reduce(s), while rank {q} launched another, {self._bucket(numel)}."
+                        + (self._unused(k, [r]) if k >= 0 else ""))
+            index = rows[0][2]
+            if not ends and all(row[2] == index for row in rows) and index < due:
+                r = next(r for r, row in enumerate(rows) if row[3] != self.numels[index])
+                return (f"step {step}: all-reduce number {index + 1} should carry "
+                        f"{self._bucket(self.numels[index])}, but rank {r} launched "
+                        f"{self._bucket(rows[r][3])}." + self._unused(index, [r])
+                        + " Collectives pair up by the order in which the ranks call them: "
+                        "launch the buckets strictly in bucket order on every rank (a bucket "
+                        "still waiting for a gradient holds back the buckets after it)")
+            return f"step {step}: the ranks launched different all-reduces: " + "; ".join(
+                f"rank {r}: {'end of step after' if row[0] else 'all-reduce number'} "
+                f"{row[2] + (row[0] == self.CALL)} ({row[3]} values)"
+                for r, row in enumerate(rows))
+        kind, _, index, numel = what[0]
+        if kind == self.CALL:
+            if index >= due:
+                return (f"step {step}: all-reduce number {index + 1} ({numel} values), but "
+                        f"there are {due} buckets: launch one all-reduce per bucket, once "
+                        "per step")
+            if numel == self.numels[index]:
+                return None
+            single = [n for n, size in self.param_numels.items() if size == numel]
+            if single:
+                return (f"step {step}: all-reduce number {index + 1} carried {numel} values, "
+                        f"the gradient of {single[0]} alone, where "
+                        f"{self._bucket(self.numels[index])} was due: that is one all-reduce "
+                        "per parameter. Send each bucket's gradients as one flat tensor: one "
+                        "all-reduce per bucket")
+            message = (f"step {step}: all-reduce number {index + 1} carried "
+                       f"{self._bucket(numel)}, where {self._bucket(self.numels[index])} was "
+                       "due." + self._unused(index, range(len(rows))))
+            if numel in self.numels[index + 1:]:
+                return message + (" Launch the buckets strictly in bucket order: a bucket still "
+                                  "waiting for a gradient holds back the buckets after it, and "
+                                  "finish() launches whatever is left")
+            return message + " Launch the buckets in order, each as one flat tensor"
+        if index < due:
+            return (f"step {step}: the ranks launched {index} all-reduce(s) for {due} buckets. "
+                    "Every bucket travels in every step, even one whose parameters got no "
+                    "gradient on any rank (torch's DDP with find_unused_parameters=True sends "
+                    "it too): finish() launches what backward did not, with zeros")
+        if DDP_STEPS[step][-1][1] == "all":  # every rank used every parameter
+            early = min(row[5] for row in rows)
+            if early == 0:
+                return (f"step {step}: every parameter got its gradient, but no all-reduce was "
+                        "launched while backward ran: they all waited for finish(). Launch each "
+                        "bucket from the hook as soon as its last gradient has arrived, so that "
+                        "it travels while backward computes the earlier layers")
+            if early < due:
+                return (f"step {step}: every parameter got its gradient, but only {early} of "
+                        f"{due} buckets were launched during backward: launch each bucket from "
+                        "the hook as soon as its last gradient has arrived (and the buckets "
+                        "before it have left)")
+        return None
+
+
+def _compare_gradients(model: nn.Module, want: dict, local: dict, step: int, world: int,
+                       tolerance: dict) -> str | None:
+    """This rank's gradients after ``finish()`` against torch's DDP; a hint where it can tell
+    what went wrong. A gradient that is None counts as zeros (torch's DDP leaves a parameter
+    that no rank used without one)."""
+
+    def value(grad, p):
+        return torch.zeros_like(p) if grad is None else grad.detach()
+
+    accumulated = len(DDP_STEPS[step]) > 1
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            if p.grad is not None:
+                return f"the frozen {n} got a gradient: leave parameters without one alone"
+            continue
+        got, w, mine = value(p.grad, p), value(want[n], p), value(local[n], p)
+        if torch.allclose(got, w, **tolerance):
+            continue
+        where = f"step {step}, {world} ranks: {n}.grad"
+        if world > 1 and torch.allclose(got, w * world, **tolerance):
+            return (f"{where} is the sum of the ranks' gradients, not their mean: divide each "
+                    "bucket by the world size (before launching it)")
+        if torch.allclose(got, mine, **tolerance) and world > 1:
+            return (f"{where} is still this rank's own gradient: after waiting for a bucket's "
+                    "all-reduce, copy its averaged values back into the parameters' .grad")
+        users = DDP_STEPS[step][-1][1]
+        if accumulated and n.startswith("extra.") and users != "all":
+            return (f"{where}: `extra` got gradients under no_sync() but none in the last "
+                    f"backward of the step on every rank{' but rank 0' * (users != 'none')}; "
+                    "the mean differs by "
+                    f"up to {(got - w).abs().max().item():.3g}. A parameter whose hook did not "
+                    "fire in the synced backward still sends what it accumulated (its .grad), "
+                    "zeros only if it has none")
+        if accumulated:
+            return (f"{where} (after {len(DDP_STEPS[step]) - 1} micro-batch(es) under no_sync() "
+                    "and one outside) differs from the ranks' mean of the accumulated sum, by "
+                    f"up to {(got - w).abs().max().item():.3g}. Inside no_sync() the hooks "
+                    "must leave the gradients alone (no division, no counting); the synced "
+                    "backward divides the accumulated sum once, when its bucket is launched, "
+                    "and a parameter that got no gradient in that last backward still sends "
+                    "what it accumulated")
+        return (f"{where} differs from torch's DDP by up to {(got - w).abs().max().item():.3g} "
+                f"(tolerance rtol={tolerance['rtol']:g}, atol={tolerance['atol']:g})")
+    return None
+
+
+def _ddp_case(fn: Callable, cap: int, side) -> str | None:
+    """One bucket cap: torch's DDP first, then the learner's, step by step."""
+    import torch.distributed as dist
+
+    from dpcourse import runtime
+    from dpcourse.buckets import bucket_assignment
+
+    rank, world, device = dist.get_rank(), dist.get_world_size(), runtime.device()
+    tolerance = DDP_TOLERANCE["cuda" if device.type == "cuda" else "cpu"]
+    torch.manual_seed(0)
+    model = _Branchy().to(device)
+    reference = _ddp_reference(copy.deepcopy(model), rank, device)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    names = list(params)
+    sizes = [p.numel() * p.element_size() for p in params.values()]
+    bucket_names = [[names[i] for i in b] for b in bucket_assignment(sizes, cap)]
+    numels = [sum(params[n].numel() for n in b) for b in bucket_names]
+    launches = _Launches(side, bucket_names, numels, {n: p.numel() for n, p in params.items()},
+                         dist.all_reduce)
+    learner = fn(model, cap)
+    optimizer = torch.optim.SGD(model.parameters(), lr=DDP_LR)
+
+    def before(inside: bool) -> None:
+        launches.inside_no_sync, launches.in_backward = inside, True
+
+    dist.all_reduce = launches.all_reduce
+    try:
+        for step, expected in enumerate(reference):
+            optimizer.zero_grad(set_to_none=True)
+            launches.step = step
+            try:
+                _run_step(model, rank, step, device, learner.no_sync, before)
+                launches.inside_no_sync, launches.in_backward = False, False
+                learner.finish()
+                launches.end_of_step()
+            except Exception:
+                if launches.problem:  # found on every rank at the same all_gather
+                    return f"bucket_cap_bytes={cap}, {world} ranks, {launches.problem}"
+                raise
+            finally:
+                launches.step = -1
+            problem = _compare_gradients(model, expected["want"], expected["local"], step,
+                                         world, tolerance)
+            flags = [torch.zeros(1) for _ in range(world)]
+            dist.all_gather(flags, torch.tensor([float(problem is not None)]), group=side)
+            if any(f.item() for f in flags):  # all ranks stop at the same step
+                return f"bucket_cap_bytes={cap}: {problem}" if problem else None
+            optimizer.step()
+    finally:
+        dist.all_reduce = launches.real
+    return None
+
+
+def _bucketed_ddp_on_rank(fn: Callable) -> str | None:
+    import torch.distributed as dist
+
+    side = dist.new_group(backend="gloo")  # the check's own messages, apart from the learner's
+    try:
+        for cap in DDP_CAPS:
+            problem = _ddp_case(fn, cap, side)
+            if problem:
+                return problem
+        return None
+    finally:
+        dist.destroy_process_group(side)
+
+
+@exercise("ex-7-bucketed-ddp", function="my_bucketed_ddp", timeout=150)
+def bucketed_ddp(fn: Callable) -> str:
+    """``fn(module, bucket_cap_bytes)`` returns an object whose gradient hooks put gradients in
+    buckets (``buckets.bucket_assignment``) and launch each full bucket's all-reduce
+    asynchronously, in bucket order, during backward; with ``no_sync()`` (a context manager)
+    and ``finish()`` (after the last backward of a step: launch what is left, wait, write the
+    means back). Compared, gradient by gradient after each step, with torch's
+    ``DistributedDataParallel(find_unused_parameters=True)`` on 2 and 3 ranks: 5 steps of a
+    model whose middle layer some ranks skip, with and without ``no_sync()``, at two bucket
+    caps (tolerance: rtol 1e-5, atol 1e-6 on the CPU; 1e-4 and 1e-5 on a GPU). Every
+    all-reduce is checked before it is launched: one per bucket, in bucket order, the same on
+    every rank, none inside ``no_sync()``, and in a step where every parameter is used, every
+    bucket launched while backward runs."""
+    for world in (2, 3):
+        problems = run_learner_on_ranks(_bucketed_ddp_on_rank, world, fn, timeout=RANK_TIMEOUT)
+        problem = next((p for p in problems if p), None)
+        if problem:
+            raise Mismatch(problem)
+    return (
+        "one asynchronous all-reduce per bucket, in order and during backward, unused "
+        "parameters and no_sync() handled: the same gradients as torch's DDP on 2 and 3 ranks"
+    )
