@@ -63,7 +63,11 @@ __all__ = [
 @functools.cache
 def load_all() -> None:
     """Import every chapter's check module (``chNN.py``) and the appendix's diagnosis lab
-    (``lab.py``, labels ``ex-11-...``) so that their checks are registered."""
+    (``lab.py``, labels ``ex-11-...``) and "find the bugs" (``bug_hunt.py``, ``ex-12-...``) so
+    that their checks are registered."""
     for info in pkgutil.iter_modules(__path__):
-        if (info.name.startswith("ch") and info.name[2:].isdigit()) or info.name == "lab":
+        if (info.name.startswith("ch") and info.name[2:].isdigit()) or info.name in (
+            "lab",
+            "bug_hunt",
+        ):
             importlib.import_module(f"{__name__}.{info.name}")
