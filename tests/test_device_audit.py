@@ -91,6 +91,10 @@ def _collectives_on_rank():
         work.wait()
     objects = [None, None]
     dist.all_gather_object(objects, {"rank": rank})  # torch packs these itself
+    side = dist.new_group(backend="gloo")  # a gloo group takes host tensors on any machine
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=side)
+    out["side group"] = flag.item()
     out["sum"] = x.tolist()
     out["objects"] = objects
     out["returned"] = x
@@ -105,6 +109,7 @@ def test_host_tensors_in_collectives_fail_as_on_nccl(audited):
         assert "isend got a host tensor" in rank["host batch_isend_irecv"]
         assert rank["sum"] == [3.0, 3.0, 3.0]
         assert rank["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert rank["side group"] == 2.0
         # results come back on the host, whatever device the rank used
         assert device_audit.where(rank["returned"]) == "host"
 

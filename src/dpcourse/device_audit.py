@@ -230,6 +230,8 @@ def _guard(fn):
     def collective(*args, **kwargs):
         if os.environ.get(ENV) == "gloo" or getattr(_inside_object_collective, "depth", 0):
             return fn(*args, **kwargs)
+        if any(id(a) in _gloo_groups for a in (*args, *kwargs.values())):
+            return fn(*args, **kwargs)  # new_group(backend="gloo") takes host tensors anywhere
         for t in _tensors(args, kwargs):
             if where(t) == "host":
                 raise DeviceAuditError(
@@ -263,8 +265,26 @@ def _object_collective(fn):
     return collective
 
 
+_gloo_groups: set[int] = set()  # ids of groups made with new_group(backend="gloo")
+
+
+def _remember_gloo_groups(fn):
+    @functools.wraps(fn)
+    def new_group(*args, **kwargs):
+        group = fn(*args, **kwargs)
+        backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
+        if backend is not None and "gloo" in str(backend).lower():
+            _gloo_groups.add(id(group))
+        return group
+
+    new_group._dpcourse_audited = True
+    return new_group
+
+
 def _guard_collectives() -> None:
     c10d = dist.distributed_c10d
+    if not getattr(c10d.new_group, "_dpcourse_audited", False):
+        c10d.new_group = dist.new_group = _remember_gloo_groups(c10d.new_group)
     for name in _OBJECT_COLLECTIVES:
         fn = getattr(c10d, name)
         if not getattr(fn, "_dpcourse_audited", False):
