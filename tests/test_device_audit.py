@@ -80,7 +80,10 @@ def _collectives_on_rank():
 
     dev = runtime.device()
     rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    from dpcourse.collectives import p2p
+
     out = {"host all_reduce": _raises(lambda: dist.all_reduce(torch.ones(3)))}
+    out["NCCL's code path"] = not p2p.posts_ahead()  # the package's collectives step as on NCCL
     host_ops = [dist.P2POp(dist.isend, torch.ones(2), peer), dist.P2POp(dist.irecv, torch.ones(2),
                                                                        peer)]
     out["host batch_isend_irecv"] = _raises(lambda: dist.batch_isend_irecv(host_ops))
@@ -110,6 +113,7 @@ def test_host_tensors_in_collectives_fail_as_on_nccl(audited):
         assert rank["sum"] == [3.0, 3.0, 3.0]
         assert rank["objects"] == [{"rank": 0}, {"rank": 1}]
         assert rank["side group"] == 2.0
+        assert rank["NCCL's code path"]
         # results come back on the host, whatever device the rank used
         assert device_audit.where(rank["returned"]) == "host"
 

@@ -40,7 +40,17 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ENV", "DEVICE", "requested", "enable", "enabled", "where", "tag", "DeviceAuditError"]
+__all__ = [
+    "ENV",
+    "DEVICE",
+    "requested",
+    "acts_as_nccl",
+    "enable",
+    "enabled",
+    "where",
+    "tag",
+    "DeviceAuditError",
+]
 
 ENV = "DPCOURSE_DEVICE_AUDIT"
 # Identity, not equality, marks the audited device: any other torch.device("cpu") is "explicit".
@@ -74,6 +84,12 @@ class DeviceAuditError(RuntimeError):
 def requested() -> bool:
     """True when the environment asks for the audit (``DPCOURSE_DEVICE_AUDIT=1``)."""
     return os.environ.get(ENV, "") not in ("", "0")
+
+
+def acts_as_nccl() -> bool:
+    """True where the audit stands for NCCL (not on an emulated cluster's gloo ranks): the
+    collectives of :mod:`dpcourse.collectives` then take their NCCL code path (on gloo)."""
+    return requested() and os.environ.get(ENV) != "gloo"
 
 
 def where(t: torch.Tensor) -> str | None:
@@ -228,7 +244,7 @@ def enabled() -> bool:
 def _guard(fn):
     @functools.wraps(fn)
     def collective(*args, **kwargs):
-        if os.environ.get(ENV) == "gloo" or getattr(_inside_object_collective, "depth", 0):
+        if not acts_as_nccl() or getattr(_inside_object_collective, "depth", 0):
             return fn(*args, **kwargs)
         if any(id(a) in _gloo_groups for a in (*args, *kwargs.values())):
             return fn(*args, **kwargs)  # new_group(backend="gloo") takes host tensors anywhere
