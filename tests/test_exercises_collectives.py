@@ -125,6 +125,15 @@ def library_all_reduce(t):
     dist.all_reduce(t)
 
 
+def library_reduce_scatter_then_all_gather(t):
+    """The ring's two phases, each one library call (torch 2.13's reduce_scatter_single and
+    all_gather_single), on a length the ranks divide."""
+    n = dist.get_world_size()
+    part = torch.empty(t.numel() // n, dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_single(part, t[: part.numel() * n].clone())
+    dist.all_gather_single(t[: part.numel() * n], part)
+
+
 def gather_to_rank_zero(t):
     """Right result, the naive all-reduce: every rank sends to rank 0, which sends the sum back."""
     r, n = dist.get_rank(), dist.get_world_size()
@@ -160,6 +169,8 @@ def test_the_checks_reject_the_library_a_relay_and_a_gather(short_timeouts):
     result = run_check("ex-5-tree-broadcast", relay_broadcast)
     assert not result.passed and "relay of N-1 rounds" in result.message
     result = run_check("ex-6-ring", library_all_reduce)
+    assert not result.passed and "torch.distributed's collectives" in result.message
+    result = run_check("ex-6-ring", library_reduce_scatter_then_all_gather)
     assert not result.passed and "torch.distributed's collectives" in result.message
     result = run_check("ex-6-ring", gather_to_rank_zero)
     assert not result.passed and "only to its right neighbour" in result.message

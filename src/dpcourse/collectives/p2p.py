@@ -83,7 +83,10 @@ def count_traffic() -> Iterator[Traffic]:
 
 # torch.distributed's collectives, which the course's own must never call (see __init__).
 LIBRARY_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter",
-                       "barrier", "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor")
+                       "barrier", "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor",
+                       # torch 2.13's names for the two above, and the batched forms
+                       "all_gather_single", "reduce_scatter_single", "all_to_all_single",
+                       "all_reduce_coalesced", "all_gather_coalesced")
 
 
 @contextlib.contextmanager
