@@ -40,17 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-__all__ = [
-    "ENV",
-    "DEVICE",
-    "requested",
-    "acts_as_nccl",
-    "enable",
-    "enabled",
-    "where",
-    "tag",
-    "DeviceAuditError",
-]
+__all__ = ["ENV", "DEVICE", "DeviceAuditError", "requested", "acts_as_nccl", "enable", "enabled",
+           "where", "tag"]
 
 ENV = "DPCOURSE_DEVICE_AUDIT"
 # Identity, not equality, marks the audited device: any other torch.device("cpu") is "explicit".
@@ -70,11 +61,8 @@ _COLLECTIVES = (
     "all_gather_coalesced all_reduce_coalesced reduce_scatter reduce_scatter_tensor "
     "reduce_scatter_single all_to_all all_to_all_single gather scatter send recv isend irecv"
 ).split()
-
-
 _OBJECT_COLLECTIVES = (
-    "all_gather_object broadcast_object_list gather_object scatter_object_list".split()
-)
+    "all_gather_object broadcast_object_list gather_object scatter_object_list".split())
 
 
 class DeviceAuditError(RuntimeError):
@@ -123,10 +111,6 @@ def _tensors(args: tuple, kwargs: dict) -> Iterator[torch.Tensor]:
                     yield b.tensor
 
 
-def _name(func: Any) -> str:
-    return getattr(func, "__name__", "")
-
-
 def _mismatch(what: str) -> DeviceAuditError:
     return DeviceAuditError(
         f"{what}. On a machine with a GPU per rank this fails: a tensor made without device= "
@@ -150,7 +134,7 @@ def _device_arg(args: tuple, kwargs: dict) -> Any:
 class _Audit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _name(func)
+        name = getattr(func, "__name__", "")
         if name == "__get__":
             return func(*args, **kwargs)
         if name == "__set__":
@@ -242,7 +226,6 @@ def enabled() -> bool:
 
 
 def _guard(fn):
-    @functools.wraps(fn)
     def collective(*args, **kwargs):
         if not acts_as_nccl() or getattr(_inside_object_collective, "depth", 0):
             return fn(*args, **kwargs)
@@ -258,18 +241,15 @@ def _guard(fn):
                 )
         return fn(*args, **kwargs)
 
-    collective._dpcourse_audited = True
     return collective
 
 
 _inside_object_collective = threading.local()
-_inside_object_collective.depth = 0
 
 
 def _object_collective(fn):
     # torch packs the objects into tensors on the device the backend wants (CPU for gloo,
     # the current GPU for NCCL): its own tensors, not the caller's
-    @functools.wraps(fn)
     def collective(*args, **kwargs):
         _inside_object_collective.depth = getattr(_inside_object_collective, "depth", 0) + 1
         try:
@@ -277,7 +257,6 @@ def _object_collective(fn):
         finally:
             _inside_object_collective.depth -= 1
 
-    collective._dpcourse_audited = True
     return collective
 
 
@@ -285,7 +264,6 @@ _gloo_groups: set[int] = set()  # ids of groups made with new_group(backend="glo
 
 
 def _remember_gloo_groups(fn):
-    @functools.wraps(fn)
     def new_group(*args, **kwargs):
         group = fn(*args, **kwargs)
         backend = kwargs.get("backend", args[2] if len(args) > 2 else None)
@@ -293,27 +271,27 @@ def _remember_gloo_groups(fn):
             _gloo_groups.add(id(group))
         return group
 
-    new_group._dpcourse_audited = True
     return new_group
 
 
+def _patch(name: str, wrap) -> None:
+    """Replace torch.distributed's ``name`` by ``wrap(it)`` under both its names (P2POp checks
+    its op against distributed_c10d's own isend/irecv); once, where this torch version has it."""
+    fn = getattr(dist.distributed_c10d, name, None)
+    if fn is None or getattr(fn, "_dpcourse_audited", False):
+        return
+    wrapped = functools.wraps(fn)(wrap(fn))
+    wrapped._dpcourse_audited = True
+    setattr(dist.distributed_c10d, name, wrapped)
+    setattr(dist, name, wrapped)
+
+
 def _guard_collectives() -> None:
-    c10d = dist.distributed_c10d
-    if not getattr(c10d.new_group, "_dpcourse_audited", False):
-        c10d.new_group = dist.new_group = _remember_gloo_groups(c10d.new_group)
+    _patch("new_group", _remember_gloo_groups)
     for name in _OBJECT_COLLECTIVES:
-        fn = getattr(c10d, name)
-        if not getattr(fn, "_dpcourse_audited", False):
-            setattr(c10d, name, _object_collective(fn))
-            setattr(dist, name, getattr(c10d, name))
+        _patch(name, _object_collective)
     for name in _COLLECTIVES:
-        fn = getattr(c10d, name, None)
-        if fn is None or getattr(fn, "_dpcourse_audited", False):  # names differ by version
-            continue
-        wrapped = _guard(fn)
-        # both names: P2POp checks its op against distributed_c10d's own isend/irecv
-        setattr(c10d, name, wrapped)
-        setattr(dist, name, wrapped)
+        _patch(name, _guard)
 
 
 def _tag_parameters() -> None:
