@@ -129,6 +129,24 @@ def test_every_exercise_label_is_used_in_a_chapter_with_a_check_cell():
         assert f"check.{ex.name}({ex.function}" in texts[holders[0]], ex.label
 
 
+def test_a_learner_can_run_a_chapter_before_doing_its_exercises():
+    """In the student edition a learner's function raises NotImplementedError until it is
+    written; a cell other than its solution and its check that calls it would stop "Run all" at
+    that cell. (The find-the-bugs page had one: it used my_noam_lambda to show the fix.)"""
+    functions = {ex.function for ex in registry().values()}
+    offending = []
+    for path in sorted((ROOT / "chapters").glob("*.ipynb")):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type != "code" or "solution" in cell.metadata.get("tags", []):
+                continue
+            named = sorted(f for f in functions if re.search(rf"\b{f}\b", cell.source))
+            if named and not re.fullmatch(r"\s*check\.\w+\(\w+\)\s*", cell.source):
+                offending.append(f"{path.name} cell {i}: {', '.join(named)}")
+    assert not offending, "cells that need a learner's solution to run:\n  " + "\n  ".join(
+        offending
+    )
+
+
 # --------------------------------------------------------------------------- student edition
 def test_strip_solution_directives_handles_every_fence():
     text = textwrap.dedent("""\
