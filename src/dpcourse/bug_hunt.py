@@ -38,11 +38,13 @@ from dpcourse.data import (
     PAD,
     VOCAB_SIZE,
     DigitsToWords,
+    collate_seq2seq,
     digits_to_words,
     encode_digits,
     encode_words,
 )
 from dpcourse.lr_schedule import noam_lr
+from dpcourse.models import sequence_cross_entropy
 
 __all__ = [
     "digit_pairs", "make_transformer", "Seq2Seq", "pad_collate", "token_loss", "fixed_step",
@@ -106,23 +108,16 @@ def pad_collate(samples: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[t
     with PAD at the end to the longest in the batch; ``src_pad`` is True at padded positions
     (what ``key_padding_mask`` expects); ``tgt_in``/``tgt_out`` are ``tgt`` without its last/first
     token, so ``tgt_out`` is PAD where the loss must ignore it."""
-    pad = nn.utils.rnn.pad_sequence
-    src = pad([s for s, _ in samples], batch_first=True, padding_value=PAD)
-    tgt = pad([t for _, t in samples], batch_first=True, padding_value=PAD)
-    return src, tgt[:, :-1], tgt[:, 1:], src == PAD
+    src, tgt_in, tgt_out = collate_seq2seq(samples)  # chapter 1's, which pads
+    return src, tgt_in, tgt_out, src == PAD
 
 
 def token_loss(logits: torch.Tensor, tgt_out: torch.Tensor, tokens: float | None = None):
     """Cross-entropy summed over the non-PAD targets and divided by ``tokens`` (by default their
     number: the mean per real token). Under DDP pass the global count / world size, so that the
     averaged gradient is that of the mean over the global batch's tokens."""
-    total = nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(),
-        tgt_out.reshape(-1),
-        ignore_index=PAD,
-        reduction="sum",
-    )
-    return total / (tokens if tokens is not None else (tgt_out != PAD).sum())
+    mean = sequence_cross_entropy(logits.float(), tgt_out)  # over the real tokens (chapter 1)
+    return mean if tokens is None else mean * (tgt_out != PAD).sum() / tokens
 
 
 def fixed_step(

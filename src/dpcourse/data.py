@@ -208,10 +208,12 @@ def collate_seq2seq(
     ``tgt_in = tgt[:, :-1]`` (BOS w1 .. wn) is what the decoder reads and ``tgt_out = tgt[:, 1:]``
     (w1 .. wn EOS) is what it must predict, one position ahead. The result fits the course's batch
     convention "inputs..., target" (see :func:`dpcourse.training.train_step`). Pass it as
-    ``DataLoader(..., collate_fn=collate_seq2seq)``.
+    ``DataLoader(..., collate_fn=collate_seq2seq)``. Sequences of different lengths are padded
+    with PAD at the end to the longest of the batch (the find-the-bugs appendix needs that).
     """
-    src = torch.stack([s for s, _ in samples])
-    tgt = torch.stack([t for _, t in samples])
+    pad = torch.nn.utils.rnn.pad_sequence
+    src = pad([s for s, _ in samples], batch_first=True, padding_value=PAD)
+    tgt = pad([t for _, t in samples], batch_first=True, padding_value=PAD)
     return src, tgt[:, :-1], tgt[:, 1:]
 
 

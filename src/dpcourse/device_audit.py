@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from dpcourse._patching import replace
+
 __all__ = ["ENV", "DEVICE", "DeviceAuditError", "requested", "acts_as_nccl", "enable", "enabled",
            "where", "tag"]
 
@@ -49,12 +51,12 @@ DEVICE = torch.device("cpu")
 _TAG = "_dpcourse_where"
 _FACTORIES = frozenset(
     "tensor as_tensor zeros ones empty full rand randn randint randperm arange linspace logspace "
-    "eye empty_strided normal from_numpy scalar_tensor".split()
+    "eye empty_strided normal scalar_tensor".split()
 )
 # Functions that legitimately take tensors on both sides, as on CUDA.
 _CROSSING = frozenset(
-    "to cpu cuda copy_ __getitem__ __setitem__ __get__ __set__ __repr__ __format__ __str__ "
-    "item tolist numel dim size _parse_to type is_floating_point element_size".split()
+    "to cpu cuda copy_ __getitem__ __setitem__ __repr__ __format__ __str__ "
+    "item tolist numel dim size type is_floating_point element_size".split()
 )
 _COLLECTIVES = (
     "all_reduce broadcast reduce all_gather all_gather_into_tensor all_gather_single "
@@ -275,15 +277,14 @@ def _remember_gloo_groups(fn):
 
 
 def _patch(name: str, wrap) -> None:
-    """Replace torch.distributed's ``name`` by ``wrap(it)`` under both its names (P2POp checks
-    its op against distributed_c10d's own isend/irecv); once, where this torch version has it."""
+    """Replace torch.distributed's ``name`` by ``wrap(it)`` for good (under both its names, see
+    :mod:`dpcourse._patching`), once, where this torch version has it."""
     fn = getattr(dist.distributed_c10d, name, None)
     if fn is None or getattr(fn, "_dpcourse_audited", False):
         return
     wrapped = functools.wraps(fn)(wrap(fn))
     wrapped._dpcourse_audited = True
-    setattr(dist.distributed_c10d, name, wrapped)
-    setattr(dist, name, wrapped)
+    replace(name, wrapped)
 
 
 def _guard_collectives() -> None:

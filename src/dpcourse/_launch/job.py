@@ -75,8 +75,7 @@ class HostPickler(cloudpickle.Pickler):
         ):
             host = obj.detach().cpu()
             device_audit.tag(host, "host")
-            if obj.requires_grad and host.is_leaf:
-                host.requires_grad_(True)
+            host.requires_grad_(obj.requires_grad)
             return host.__reduce_ex__(self.proto)
         return super().reducer_override(obj)
 

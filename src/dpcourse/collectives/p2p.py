@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from dpcourse import device_audit
+from dpcourse._patching import replaced
 
 __all__ = [
     "Traffic",
@@ -94,18 +95,15 @@ def library_collectives_forbidden() -> Iterator[None]:
     """Inside the ``with`` block every library collective of this rank raises an
     AssertionError ("a library collective was called"): the tests run the course's
     collectives so, to show that they are built from point-to-point messages alone."""
-    saved = {n: getattr(dist, n) for n in LIBRARY_COLLECTIVES if hasattr(dist, n)}
 
-    def forbidden(*args, **kwargs):
-        raise AssertionError("a library collective was called")
+    def forbid(real: Callable) -> Callable:
+        def forbidden(*args, **kwargs):
+            raise AssertionError("a library collective was called")
 
-    try:
-        for name in saved:
-            setattr(dist, name, forbidden)
+        return forbidden
+
+    with replaced(dict.fromkeys(LIBRARY_COLLECTIVES, forbid)):
         yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ Chapter 9: exercise checks for sharded optimizers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 
@@ -226,29 +227,22 @@ class _BackwardLog:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Record the collectives called inside, under both of their names (torch's
-        ``distributed_c10d`` and ``torch.distributed``; the package's ``dpcourse.collectives``)."""
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
-
+        """Record the collectives called inside: torch's, under both of their names
+        (:mod:`dpcourse._patching`), and the package's ``dpcourse.collectives``."""
         import dpcourse.collectives as ours
+        from dpcourse._patching import replaced
 
-        saved = []
         names = [(n, True) for n in REDUCE_SCATTERS] + [(n, False) for n in OTHER_COLLECTIVES]
-        for name, is_rs in names:
-            for module in (c10d, dist):
-                if hasattr(module, name):
-                    saved.append((module, name, getattr(module, name)))
-                    setattr(module, name, self._recording(f"dist.{name}", is_rs,
-                                                          getattr(module, name)))
+        torch_ones = {n: functools.partial(self._recording, f"dist.{n}", rs) for n, rs in names}
+        saved = [(name, getattr(ours, name)) for name in PACKAGE_COLLECTIVES]
         for name, is_rs in PACKAGE_COLLECTIVES.items():
-            saved.append((ours, name, getattr(ours, name)))
             setattr(ours, name, self._recording(f"collectives.{name}", is_rs, getattr(ours, name)))
         try:
-            yield
+            with replaced(torch_ones):
+                yield
         finally:
-            for module, name, real in reversed(saved):
-                setattr(module, name, real)
+            for name, real in saved:
+                setattr(ours, name, real)
 
 
 def _zero2_model() -> nn.Module:

@@ -252,14 +252,10 @@ def learner_messages() -> Iterator[list[tuple[int, int]]]:
     ``dist.batch_isend_irecv``), and make torch.distributed's own collectives raise
     ``AssertionError`` (the learner must build the collective from messages). Chapters 5 and 6's
     checks use it to tell a tree from a relay and a ring from a gather."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
+    from dpcourse._patching import replaced
     from dpcourse.collectives.p2p import library_collectives_forbidden
 
     log: list[tuple[int, int]] = []
-    originals = {"send": c10d.send, "isend": c10d.isend}
-
     inside = threading.local()  # torch's send calls its isend: count the outer call only
 
     def counting(real: Callable) -> Callable:
@@ -277,18 +273,9 @@ def learner_messages() -> Iterator[list[tuple[int, int]]]:
 
         return sends
 
-    # The module's own names too: P2POp accepts only c10d.isend, and batch_isend_irecv calls it.
-    wrapped = {name: counting(real) for name, real in originals.items()}
-    for name, fn in wrapped.items():
-        setattr(c10d, name, fn)
-        setattr(dist, name, fn)
-    try:
-        with library_collectives_forbidden():
-            yield log
-    finally:
-        for name, real in originals.items():
-            setattr(c10d, name, real)
-            setattr(dist, name, real)
+    # both names (_patching): P2POp accepts only c10d.isend, and batch_isend_irecv calls it
+    with replaced({"send": counting, "isend": counting}), library_collectives_forbidden():
+        yield log
 
 
 def call_collective(fn: Callable, *args: Any) -> tuple[Any, list[tuple[int, int]] | None]:
