@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -154,10 +155,31 @@ def default_ddp_bucket_bytes_on_rank() -> list[int]:
     return [b.buffer.numel() * b.buffer.element_size() for b in wrapped.buckets]
 
 
+def torch_ddp_bucket_cap() -> tuple[int | None, int | None]:
+    """torch's DistributedDataParallel default bucket cap in "MB", and the bytes in its "MB".
+
+    torch 2.13 names both in torch/nn/parallel/distributed.py (``_DEFAULT_BUCKET_CAP_MB``,
+    ``_MB_TO_BYTES``); torch 2.11, the course's floor, has neither name and writes them inline
+    in ``DistributedDataParallel.__init__`` (``bucket_cap_mb = 25`` when None is passed, then
+    ``int(bucket_cap_mb * 1024 * 1024)``), which is where this reads them on that torch."""
+    cap = getattr(torch_ddp, "_DEFAULT_BUCKET_CAP_MB", None)
+    mb = getattr(torch_ddp, "_MB_TO_BYTES", None)
+    if cap is None or mb is None:
+        init = inspect.getsource(torch_ddp.DistributedDataParallel.__init__)
+        if cap is None:
+            default = r"if bucket_cap_mb is None:\s*(?:#[^\n]*\s*)*bucket_cap_mb = (\d+)\n"
+            found = re.search(default, init)
+            cap = int(found.group(1)) if found else None
+        if mb is None and "int(bucket_cap_mb * 1024 * 1024)" in init:
+            mb = 1024 * 1024
+    return cap, mb
+
+
 def test_torchs_published_defaults():
     assert dist._DEFAULT_FIRST_BUCKET_BYTES == 1 * MiB
-    assert torch_ddp._DEFAULT_BUCKET_CAP_MB == 25
-    assert torch_ddp._MB_TO_BYTES == MiB == buckets.MB  # "MB" means MiB, in torch and here
+    cap_mb, mb = torch_ddp_bucket_cap()
+    assert cap_mb == 25
+    assert mb == MiB == buckets.MB  # "MB" means MiB, in torch and here
 
 
 def test_our_ddp_default_buckets_are_torchs_25_mib():
