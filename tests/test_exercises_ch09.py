@@ -147,7 +147,7 @@ def test_sharded_step_not_attempted():
 # ------------------------------------------------------------------- ZeRO-2 during backward
 def _rank_chunks_padded(grad, world):
     """Rank r's shard_bounds chunk of ``grad`` in part r of a flat buffer, each padded to the
-    longest (reduce_scatter_single hands out equal parts)."""
+    longest (reduce_scatter_tensor hands out equal parts)."""
     bounds = [zero.shard_bounds(grad.numel(), world, r) for r in range(world)]
     longest = max(e - s for s, e in bounds)
     send = grad.new_zeros(world * longest)
@@ -187,7 +187,7 @@ def _reduce_scatter(p):
     send, longest, bounds = _rank_chunks_padded(p.grad.detach().reshape(-1), world)
     out = send.new_empty(longest)
     start, end = bounds[rank]
-    return dist.reduce_scatter_single(out, send, async_op=True), out, end - start
+    return dist.reduce_scatter_tensor(out, send, async_op=True), out, end - start
 
 
 def reference_zero2_hooks(params):
@@ -300,7 +300,7 @@ def padded_at_the_end(params):
         padded[: grad.numel()] = grad
         out = grad.new_empty(c)
         start, end = zero.shard_bounds(grad.numel(), world, rank)
-        return dist.reduce_scatter_single(out, padded, async_op=True), out, end - start
+        return dist.reduce_scatter_tensor(out, padded, async_op=True), out, end - start
 
     return _hooks(params, launch)
 

@@ -127,11 +127,13 @@ def library_all_reduce(t):
 
 def library_reduce_scatter_then_all_gather(t):
     """The ring's two phases, each one library call (torch 2.13's reduce_scatter_single and
-    all_gather_single), on a length the ranks divide."""
+    all_gather_single where this torch has them, else the floor's _tensor forms), on a length
+    the ranks divide."""
     n = dist.get_world_size()
     part = torch.empty(t.numel() // n, dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_single(part, t[: part.numel() * n].clone())
-    dist.all_gather_single(t[: part.numel() * n], part)
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(
+        part, t[: part.numel() * n].clone())
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(t[: part.numel() * n], part)
 
 
 def gather_to_rank_zero(t):

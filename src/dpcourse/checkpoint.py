@@ -128,16 +128,21 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put back generators saved by :func:`capture_rng_state`."""
+    """Put back generators saved by :func:`capture_rng_state`.
+
+    The states may come from ``torch.load(..., map_location="cuda:0")`` with the rest of a
+    checkpoint: every generator's state, CUDA's included, is a host tensor, so each is moved back
+    to the CPU first (``.numpy()`` of a GPU tensor raises, and so does ``set_rng_state``).
+    """
     import numpy as np
 
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+    np.random.set_state((name, keys.cpu().numpy().astype("uint32"), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -301,9 +306,5 @@ def load_checkpoint(
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if restore_rng:
-        rng = state["rng"][rank]
-        rng["torch"] = rng["torch"].cpu()  # map_location moved it; the generator lives on the CPU
-        if "cuda" in rng:
-            rng["cuda"] = [s.cpu() for s in rng["cuda"]]
-        restore_rng_state(rng)
+        restore_rng_state(state["rng"][rank])
     return {"step": state["step"], "progress": state["progress"], "path": str(where)}

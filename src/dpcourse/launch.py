@@ -58,7 +58,7 @@ from typing import Any
 
 import cloudpickle
 
-from dpcourse import runtime
+from dpcourse import device_audit, runtime
 from dpcourse._launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse._launch.job import serialise
 from dpcourse._launch.process import RankProcesses
@@ -132,6 +132,7 @@ class RankPool:
         self.world_size = world_size
         self.cluster = cluster
         self.backend = _pool_backend(world_size, backend, cluster)
+        self.audit = device_audit.setting()  # the machine the device audit models, if any
         if self.backend == "nccl":
             runtime.device_for_rank(0, world_size, "nccl")  # clear error if GPUs are missing
         self.threads = threads
@@ -270,6 +271,7 @@ def run_ranks(
                 if p.world_size == world_size
                 and p.backend == pool_backend
                 and p.cluster is cluster
+                and p.audit == device_audit.setting()
             ),
             None,
         )

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dpcourse import device_audit
+from dpcourse import device_audit, shared_gpu
 
 __all__ = [
     "Machine",
@@ -127,10 +127,13 @@ def choose_backend(world_size: int, gpus: int | None = None) -> str:
     """The backend the course uses for ``world_size`` ranks on one node.
 
     NCCL needs a GPU of its own for every rank, so it is chosen only when there are at least as
-    many GPUs as ranks; everything else uses gloo (with CUDA tensors where GPUs exist).
+    many GPUs as ranks; everything else uses gloo (with CUDA tensors where GPUs exist). Under the
+    device audit: the backend of the machine it models (:func:`device_audit.modelled_backend`).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if gpus is None and device_audit.requested():
+        return device_audit.modelled_backend(world_size)
     gpus = gpu_count() if gpus is None else gpus
     if gpus >= world_size and dist.is_nccl_available():
         return "nccl"
@@ -145,11 +148,13 @@ def device_for_rank(
     * NCCL: ``cuda:<local_rank>``, one GPU per rank (an error if there are too few);
     * gloo with GPUs present: the GPUs are shared round-robin, ``cuda:<local_rank % gpus>``;
     * gloo without GPUs: the CPU;
-    * under the device audit (``DPCOURSE_DEVICE_AUDIT=1``, :mod:`dpcourse.device_audit`): the
-      CPU, as the object that stands for ``cuda:<local_rank>``.
+    * under the device audit (``DPCOURSE_DEVICE_AUDIT``, :mod:`dpcourse.device_audit`): the
+      CPU, as the object that stands for the GPU of the modelled machine.
     """
-    if gpus is None and device_audit.requested():
-        return device_audit.DEVICE  # the CPU, standing in for cuda:<local_rank>
+    audited = gpus is None and device_audit.requested()
+    if audited:
+        gpus = device_audit.modelled_gpus()
+        gpus = local_world_size if gpus is None else gpus
     gpus = gpu_count() if gpus is None else gpus
     if backend == "nccl":
         if gpus < local_world_size:
@@ -157,7 +162,9 @@ def device_for_rank(
                 f"NCCL needs one GPU per rank, but this node runs {local_world_size} ranks and has "
                 f"{gpus} GPU(s). Use backend='gloo' (or 'auto'), or start fewer ranks per node."
             )
-        return torch.device("cuda", local_rank)
+        return device_audit.DEVICE if audited else torch.device("cuda", local_rank)
+    if audited:
+        return device_audit.DEVICE  # the CPU, standing in for cuda:<local_rank % gpus>
     if gpus > 0:
         return torch.device("cuda", local_rank % gpus)
     return torch.device("cpu")
@@ -200,8 +207,10 @@ def init_process_group(
 
     Under ``torchrun`` call it with no arguments (rendezvous through ``env://``). The course's own
     launcher passes ``store``, a client of the store its parent process hosts. It also sets the
-    current CUDA device where there is one and limits intra-op threads to one where ranks share
-    the CPU. Returns the :class:`RankInfo` that :func:`current` then gives back.
+    current CUDA device where there is one, and where ranks share GPUs over gloo it has their
+    point-to-point messages go through host memory (:mod:`dpcourse.shared_gpu`). Under the device
+    audit the rank stands for one of the modelled machine's backend and runs gloo. Returns the
+    :class:`RankInfo` that :func:`current` then gives back.
     """
     global _info
     if dist.is_initialized():
@@ -218,6 +227,12 @@ def init_process_group(
     if backend == "auto":
         backend = choose_backend(local_world_size)
     dev = device_for_rank(local_rank, local_world_size, backend)
+    # ranks that share GPUs run gloo with CUDA tensors: their sends go through host memory
+    if backend == "gloo" and (dev.type == "cuda" or dev is device_audit.DEVICE):
+        shared_gpu.stage_point_to_point()
+    if device_audit.requested():
+        device_audit.begin_rank(backend)  # what this rank stands for; it runs gloo on the CPU
+        backend = "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     kwargs: dict = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)

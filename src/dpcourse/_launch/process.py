@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 
 import cloudpickle
 
-from dpcourse import device_audit, runtime
+from dpcourse import runtime
 from dpcourse._launch.errors import (
     RankDiedError,
     RankError,
@@ -112,8 +112,6 @@ class RankProcesses:
             DPCOURSE_THREADS=str(self.threads),
             DPCOURSE_START_TIMEOUT=str(self.start_timeout),
         )
-        if self.cluster is not None and device_audit.requested():
-            base_env[device_audit.ENV] = "gloo"  # a cluster's ranks use gloo, GPUs or not
         if self.threads > 0:
             base_env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
         node_environment = self.cluster.rank_environment if self.cluster else lambda rank: {

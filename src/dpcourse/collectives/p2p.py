@@ -8,8 +8,10 @@ Chapters 5 and 6 build broadcast, reduce and all-reduce out of nothing but ``sen
 * **posts receives before sends** (:func:`exchange`, :func:`irecv`): gloo moves data only once
   the receiver has posted its receive, so "everyone sends, then everyone receives" would
   deadlock on a ring, and a receive posted early spares the sender a round trip to ask for it;
-* **stages CUDA tensors through the CPU** when the backend is gloo, whose send and recv take CPU
-  tensors only; with NCCL, tensors go GPU to GPU;
+* sends CUDA tensors GPU to GPU with NCCL; where ranks share a GPU over gloo, whose send and
+  recv take host tensors only, the runtime has torch.distributed's point-to-point functions copy
+  them through host memory (:mod:`dpcourse.shared_gpu`), for this module and for code that calls
+  ``dist.send`` itself;
 * can be pointed at a **simulated network** instead of torch.distributed
   (:mod:`dpcourse.simulate`), so that the same collective code runs on thousands of virtual
   ranks with links of a chosen latency and bandwidth.
@@ -165,10 +167,6 @@ def rank_and_size() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _needs_staging(tensor: torch.Tensor) -> bool:
-    return not tensor.is_cpu and dist.get_backend() == "gloo"
-
-
 # Every function below takes an optional ``group``: a sub-group made by ``dist.new_group``, in
 # which ``dst`` and ``src`` are ranks *of that group* (chapter 10's hierarchical all-reduce runs
 # rings inside nodes and across them). They are turned into global ranks here, once, so that the
@@ -185,7 +183,7 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     if (net := _network()) is not None:
         net.wait(_simulated.rank, net.post_send(_simulated.rank, dst, tensor))
         return
-    dist.send(tensor.cpu() if _needs_staging(tensor) else tensor, dst, group)
+    dist.send(tensor, dst, group)
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
@@ -195,34 +193,23 @@ def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None)
     if (net := _network()) is not None:
         net.wait(_simulated.rank, net.post_recv(_simulated.rank, src, tensor))
         return
-    if _needs_staging(tensor):
-        buf = torch.empty_like(tensor, device="cpu")
-        dist.recv(buf, src, group)
-        tensor.copy_(buf)
-    else:
-        dist.recv(tensor, src, group)
+    dist.recv(tensor, src, group)
 
 
 class Handle:
-    """A posted send or receive that torch.distributed's own handle (``dist.Work``) cannot
-    stand for: one on the simulated network, or a CUDA tensor received through the CPU.
-    ``wait()`` blocks until it is done; a receive's data is in the tensor only after it."""
+    """A posted send or receive on the simulated network, which torch.distributed's own handle
+    (``dist.Work``) cannot stand for. ``wait()`` blocks until it is done; a receive's data is in
+    the tensor only after it."""
 
-    __slots__ = ("_work", "_ticket", "_staged", "_target")
+    __slots__ = ("_ticket",)
 
-    def __init__(self, work=None, ticket=None, staged=None, target=None):
-        self._work, self._ticket, self._staged, self._target = work, ticket, staged, target
+    def __init__(self, ticket=None):
+        self._ticket = ticket
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None  # waiting twice is harmless
-        elif self._ticket is not None:
+        if self._ticket is not None:
             _network().wait(_simulated.rank, self._ticket)
-            self._ticket = None
-        if self._staged is not None:  # a CUDA tensor received over gloo, through the CPU
-            self._target.copy_(self._staged)
-            self._staged = None
+            self._ticket = None  # waiting twice is harmless
 
 
 _DONE = Handle()  # what posting nothing returns
@@ -240,10 +227,7 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
     _record("recv", src, tensor)
     if (net := _network()) is not None:
         return Handle(ticket=net.post_recv(_simulated.rank, src, tensor))
-    if _needs_staging(tensor):
-        staged = torch.empty_like(tensor, device="cpu")
-        return Handle(work=dist.irecv(staged, src, group), staged=staged, target=tensor)
-    # torch's own handle: it has wait() too, and costs nothing more
+    # torch's own handle (or the host staging's, dpcourse.shared_gpu): it has wait() too
     return dist.irecv(tensor, src, group)
 
 
@@ -256,7 +240,7 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
     _record("send", dst, tensor)
     if (net := _network()) is not None:
         return Handle(ticket=net.post_send(_simulated.rank, dst, tensor))
-    return dist.isend(tensor.cpu() if _needs_staging(tensor) else tensor, dst, group)
+    return dist.isend(tensor, dst, group)
 
 
 def _on_nccl() -> bool:

@@ -123,7 +123,13 @@ def _hook_on_rank(fn: Callable) -> str | None:
     pending: list = []
     # Each all-reduce's tensor and its version counter when it was launched: an in-place change
     # made after launching (dividing by N after the call, say) bumps the counter, although on
-    # gloo the result often still comes out as the mean; the backend writing the sum does not.
+    # gloo the result often still comes out as the mean. The backend's own write of the result
+    # may bump it too (gloo with CUDA tensors copies the sum back from the host: +1; gloo on the
+    # CPU and NCCL: 0): measured here once, on a tensor of the same device, and allowed.
+    probe = torch.zeros(1, device=device)
+    before = probe._version
+    dist.all_reduce(probe, async_op=True).wait()
+    backend_bumps = probe._version - before
     launches: list[tuple[torch.Tensor, int]] = []
     real_all_reduce = dist.all_reduce
 
@@ -141,7 +147,6 @@ def _hook_on_rank(fn: Callable) -> str | None:
         dist.all_reduce = real_all_reduce
     for h in handles:
         h.remove()
-    changed = [t for t, version in launches if t._version != version]
     launched = len(pending)
     if any(w is None for w in pending):
         return (
@@ -156,6 +161,7 @@ def _hook_on_rank(fn: Callable) -> str | None:
         )
     for work in pending:
         work.wait()
+    changed = [t for t, version in launches if t._version - version > backend_bumps]
     if changed:
         return (
             f"{len(changed)} gradient(s) were changed in place after their all-reduce was "

@@ -300,11 +300,11 @@ def _zero2_problem(log, params, shards, summed, rank, world, shard_bounds) -> st
         return (f"{where}: you called {', '.join(others)}. Each rank needs only its shard of the "
                 "averaged gradient: a reduce-scatter sends (N-1)/N of the gradient per rank, an "
                 "all-reduce twice that, for a whole gradient the rank then throws away. Call "
-                "dist.reduce_scatter_single (or collectives.ring_reduce_scatter) only.")
+                "dist.reduce_scatter_tensor (or collectives.ring_reduce_scatter) only.")
     scatters = [(during, ready) for name, is_rs, during, ready in log.calls if is_rs]
     if not scatters:
         return (f"{where}: no reduce-scatter was called. Reduce-scatter each gradient with "
-                "dist.reduce_scatter_single(output, input, async_op=True).")
+                "dist.reduce_scatter_tensor(output, input, async_op=True).")
     if not any(during for during, _ in scatters):
         return (f"{where}: every reduce-scatter started after backward had returned (in "
                 "finish()). ZeRO-2 starts each one from a hook, as soon as its gradient is "
