@@ -135,9 +135,13 @@ test: $(STAMP) vendor
 browser-test: $(STAMP)
 	$(BIN)/python -m pytest tests/test_browser.py tests/test_links.py $(PYTEST_ARGS)
 
-# On a machine with GPUs: the GPU tests, every notebook on CUDA and the GPU benchmarks
-# (tools/gpu_check.sh says what and how long); without a GPU it says so and fails.
-gpu-check: $(STAMP)
+# On a machine with GPUs: the GPU tests, every notebook on CUDA and the GPU benchmarks, with logs
+# and a summary, in benchmarks/<gpu-name>-<count>/ (tools/gpu_check.sh says what, how long, and
+# its settings); without a GPU it says so and fails. Where the virtual environment exists it is
+# kept up to date and used; where it does not, the machine's own python3 and its torch (2.11 to
+# 2.13, as on a GPU image with no network), with what it lacks from a folder of wheels (WHEELS=,
+# default .gpu/whl): nothing is installed from the network.
+gpu-check: $(if $(wildcard $(BIN)/python),$(STAMP))
 	BIN=$(BIN) bash tools/gpu_check.sh
 
 # Every notebook under the device audit (dpcourse.device_audit, DPCOURSE_DEVICE_AUDIT=1): the

@@ -75,6 +75,52 @@ def _enter_network_namespace(path: str) -> None:
         os.close(fd)
 
 
+def out_of_memory_message(
+    exc: BaseException,
+    rank: int,
+    local_rank: int,
+    local_world_size: int,
+    gpus: int,
+    memory: tuple[int, int] | None = None,
+) -> str:
+    """What a rank says when its GPU has no memory left for it while it joins the process group
+    (``exc`` the error; ``memory`` the GPU's free and total bytes, where they could be read)."""
+    gpu = local_rank % gpus if gpus > 0 else 0
+    sharing = [r for r in range(local_world_size) if gpus <= 0 or r % gpus == gpu]
+    text = (
+        f"rank {rank} (local rank {local_rank} of {local_world_size}) found no free memory on "
+        f"cuda:{gpu} while joining the process group. Local ranks "
+        f"{', '.join(map(str, sharing))} of this pool share cuda:{gpu} "
+        f"({gpus} GPU(s) on this machine)."
+    )
+    if memory is not None:
+        free, total = memory
+        text += f" cuda:{gpu} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB."
+    return (
+        text + " Each rank process holds a CUDA context and the memory its allocator caches, and "
+        "so does every other pool of ranks, notebook kernel and test worker on this GPU: run "
+        "fewer notebooks or test workers at once, set DPCOURSE_KEEP_RANKS lower (pools each "
+        "kernel keeps open), or close other kernels (nvidia-smi lists what holds the GPU). "
+        f"The error: {type(exc).__name__}: {exc}"
+    )
+
+
+def _out_of_memory_here(exc: BaseException) -> str:
+    import torch
+
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    gpus, memory = 0, None
+    try:
+        gpus = torch.cuda.device_count()
+        memory = torch.cuda.mem_get_info(local_rank % gpus)
+    except Exception:
+        pass
+    return out_of_memory_message(exc, rank, local_rank, local_world_size, gpus, memory)
+
+
 def serve(fd: int) -> None:
     """Join the process group, then run the jobs that arrive on the socket ``fd`` until told to
     stop; never returns."""
@@ -102,7 +148,12 @@ def serve(fd: int) -> None:
             is_master=False,
             timeout=datetime.timedelta(seconds=float(os.environ["DPCOURSE_START_TIMEOUT"])),
         )
-        runtime.init_process_group(os.environ["DPCOURSE_BACKEND"], store=store)
+        try:
+            runtime.init_process_group(os.environ["DPCOURSE_BACKEND"], store=store)
+        except Exception as exc:
+            if "out of memory" not in str(exc).lower():
+                raise
+            raise RuntimeError(_out_of_memory_here(exc)) from exc
     except BaseException as exc:
         conn.send(error_reply(exc, 0))
         sys.stdout.flush()
