@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpcourse import runtime
+from dpcourse.bench.fsdp import fully_shard_placement
 from dpcourse.collectives import count_traffic, ring_all_reduce
 from dpcourse.launch import run_ranks
 from dpcourse.memory_measurement import optimizer_state_bytes
@@ -37,7 +39,8 @@ LOW = {
 }
 
 
-def make_net(seed: int = 0, frozen: bool = True) -> nn.Module:
+def make_net(seed: int = 0, frozen: bool = True, device=None) -> nn.Module:
+    """The model, on ``device`` (the rank's, by default: a GPU where there is one)."""
     torch.manual_seed(seed)
     net = nn.Sequential(OrderedDict(
         embed=nn.Linear(5, 7),
@@ -47,12 +50,13 @@ def make_net(seed: int = 0, frozen: bool = True) -> nn.Module:
     ))
     if frozen:
         net.block2[0].bias.requires_grad_(False)
-    return net
+    return net.to(device or runtime.device())
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, rank: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g)
+    device = device or runtime.device()
+    return torch.randn(4, 5, generator=g).to(device), torch.randn(4, 2, generator=g).to(device)
 
 
 def make_opt(params, sgd: bool = False) -> torch.optim.Optimizer:
@@ -91,16 +95,17 @@ def train_ours(layers=LAYERS, dtype=None, prefetch=True, sgd=False) -> dict:
 def train_torch(dtype=None, frozen=True) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    net = make_net(frozen=frozen)
+    device, mesh = fully_shard_placement()  # the host where ranks share a GPU
+    net = make_net(frozen=frozen, device=device)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in (*LAYERS, "head"):
-            fully_shard(net.get_submodule(name), mp_policy=policy)
-        fully_shard(net, mp_policy=policy)
+            fully_shard(net.get_submodule(name), mp_policy=policy, mesh=mesh)
+        fully_shard(net, mp_policy=policy, mesh=mesh)
         opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
         for s in range(STEPS):
-            x, y = batch(s, dist.get_rank())
+            x, y = batch(s, dist.get_rank(), device)
             opt.zero_grad()
             nn.functional.mse_loss(net(x).float(), y).backward()
             opt.step()
@@ -109,7 +114,7 @@ def train_torch(dtype=None, frozen=True) -> dict:
 
 def gap(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return max((a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a)
 
 
 def _runs_on_rank() -> dict:
@@ -236,7 +241,7 @@ def _memory_on_rank() -> dict:
         fsdp.close()
     numel = sum(p.numel() for p in make_net(frozen=False).parameters())
     with count_traffic() as ddp:
-        ring_all_reduce(torch.zeros(numel), check_shapes=False)
+        ring_all_reduce(torch.zeros(numel, device=runtime.device()), check_shapes=False)
     out["sent"], out["ddp_sent"], out["numel"] = step.bytes_sent, ddp.bytes_sent, numel
     return out
 

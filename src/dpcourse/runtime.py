@@ -178,7 +178,7 @@ class RankInfo:
     world_size: int
     local_rank: int
     local_world_size: int
-    backend: str
+    backend: str  # under the device audit: the backend of the modelled machine (it runs gloo)
     device: torch.device
 
 
@@ -230,17 +230,18 @@ def init_process_group(
     # ranks that share GPUs run gloo with CUDA tensors: their sends go through host memory
     if backend == "gloo" and (dev.type == "cuda" or dev is device_audit.DEVICE):
         shared_gpu.stage_point_to_point()
+    real = backend
     if device_audit.requested():
         device_audit.begin_rank(backend)  # what this rank stands for; it runs gloo on the CPU
-        backend = "gloo"
+        real = "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    kwargs: dict = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    kwargs: dict = dict(backend=real, rank=rank, world_size=world_size, timeout=timeout)
     if store is not None:
         kwargs["store"] = store
     else:
         kwargs["init_method"] = "env://"
-    if backend == "nccl":
+    if real == "nccl":
         kwargs["device_id"] = dev  # binds the communicator eagerly: clearer errors, no guessing
     dist.init_process_group(**kwargs)
     _info = RankInfo(rank, world_size, local_rank, local_world_size, backend, dev)

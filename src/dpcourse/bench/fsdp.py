@@ -28,9 +28,11 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from dpcourse import runtime
 from dpcourse.bench import zero as zero_bench
 
-__all__ = ["record_collectives", "fsdp_step_events", "make_variant", "time_on_rank"]
+__all__ = ["fully_shard_placement", "record_collectives", "fsdp_step_events", "make_variant",
+           "time_on_rank"]
 
 HELP = "FSDP (ZeRO-3) step time: ours with and without prefetch vs torch's fully_shard"
 VARIANTS = ("fully_shard", "FSDP", "FSDP no prefetch")
@@ -43,6 +45,23 @@ _COLLECTIVES = {  # torch.distributed function -> (what it is, which argument ha
     "reduce_scatter_tensor": ("reduce-scatter", "input"),
     "all_reduce": ("all-reduce", "tensor"),
 }
+
+
+def fully_shard_placement() -> tuple[torch.device, object]:
+    """Where torch's ``fully_shard`` runs on this rank, and the ``mesh`` to give it.
+
+    With a GPU per rank (NCCL): the rank's GPU, and None (``fully_shard``'s default mesh: the
+    GPUs). Where ranks share GPUs over gloo, ``fully_shard`` on the GPU killed both ranks with
+    SIGSEGV (torch 2.11, one H200, 2026-11-26): there it runs on the host, on a CPU mesh over
+    gloo, as on a machine without GPUs. Put the model and the batches on the device it returns.
+    Chapter 9's FSDP2 cells, its benchmark and the tests use it.
+    """
+    info = runtime.current()
+    if info.backend == "nccl":
+        return info.device, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return torch.device("cpu"), init_device_mesh("cpu", (info.world_size,))
 
 
 @contextlib.contextmanager
@@ -89,13 +108,15 @@ def fsdp_step_events(
     loss_fn: Callable,
     target: torch.Tensor,
     reshard_root: bool = True,
+    mesh=None,
 ) -> tuple[list[tuple[str, str, int]], int]:
     """Runs on every rank: wrap ``model`` with FSDP2 (``fully_shard`` on each submodule named in
     ``layers``, then on the model, whose group holds the remaining parameters), run one forward
     and backward, and return what happened in order, ``("forward"|"backward", layer, 0)``
     markers between ``("collective", kind, bytes)`` entries, with this rank's number of
     parameter elements after sharding. ``reshard_root``: free the root's gathered parameters
-    after forward too (pure ZeRO-3; FSDP's default keeps them for backward)."""
+    after forward too (pure ZeRO-3; FSDP's default keeps them for backward). ``mesh``: as
+    :func:`fully_shard_placement` returns it, with the model and inputs on its device."""
     import warnings
 
     from torch.distributed.fsdp import fully_shard
@@ -116,8 +137,8 @@ def fsdp_step_events(
                 lambda m, args, name=name: log.append(("forward", name, 0))
             )
             module.register_forward_hook(functools.partial(mark_backward, name=name))
-            fully_shard(module)
-        fully_shard(model, reshard_after_forward=reshard_root)
+            fully_shard(module, mesh=mesh)
+        fully_shard(model, reshard_after_forward=reshard_root, mesh=mesh)
         local = sum(p.to_local().numel() for p in model.parameters())
         loss_fn(model(*inputs), target).backward()
     return log, local
@@ -128,10 +149,12 @@ def fsdp_step_events(
 add_arguments = zero_bench.add_arguments
 
 
-def make_variant(name: str, model: nn.Module) -> tuple[nn.Module, Callable[[], None], object]:
+def make_variant(name: str, model: nn.Module,
+                 mesh=None) -> tuple[nn.Module, Callable[[], None], object]:
     """``(module to call, what finishes the gradients, optimizer)`` for one of :data:`VARIANTS`
-    on every rank: torch's ``fully_shard`` on each child with parameters and on the root, or
-    :class:`dpcourse.fsdp.FSDP` (with or without prefetch) on the same children."""
+    on every rank: torch's ``fully_shard`` on each child with parameters and on the root (on
+    ``mesh``: see :func:`fully_shard_placement`), or :class:`dpcourse.fsdp.FSDP` (with or without
+    prefetch) on the same children."""
     from torch.distributed.fsdp import fully_shard
 
     from dpcourse.fsdp import FSDP
@@ -141,8 +164,8 @@ def make_variant(name: str, model: nn.Module) -> tuple[nn.Module, Callable[[], N
             warnings.simplefilter("ignore")
             for child in model.children():
                 if any(True for _ in child.parameters()):
-                    fully_shard(child)
-            fully_shard(model)
+                    fully_shard(child, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         return model, lambda: None, torch.optim.Adam(model.parameters(), lr=LR)
     if name in ("FSDP", "FSDP no prefetch"):
         fsdp = FSDP(model, prefetch=name == "FSDP")
@@ -152,21 +175,22 @@ def make_variant(name: str, model: nn.Module) -> tuple[nn.Module, Callable[[], N
 
 
 def time_on_rank(variants: tuple[str, ...], repeats: int, warmup: int, batch: int, width: int,
-                 out: int) -> dict[str, list[float]]:
-    """Runs on every rank: step times (slowest rank) per variant, interleaved."""
+                 out: int) -> dict:
+    """Runs on every rank: step times (slowest rank) per variant, interleaved, and under
+    ``"device"`` where they ran (:func:`fully_shard_placement`: every variant on the same one)."""
     import copy
 
     import torch.distributed as dist
 
-    from dpcourse import runtime
-
-    rank, device = dist.get_rank(), runtime.device()
+    rank = dist.get_rank()
+    # every variant where fully_shard can run: the rank's GPU, or the host where ranks share one
+    device, mesh = fully_shard_placement()
     base = zero_bench.make_mlp(width, out).to(device)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, width, generator=g).to(device)
     y = torch.randn(batch, out, generator=g).to(device)
-    runs = [(name, *make_variant(name, copy.deepcopy(base))) for name in variants]
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    runs = [(name, *make_variant(name, copy.deepcopy(base), mesh)) for name in variants]
+    times: dict = {name: [] for name in variants}
     slowest = torch.zeros(len(runs), dtype=torch.float64, device=device)
     for i in range(warmup + repeats):
         for k, (_, module, finish, opt) in enumerate(runs):
@@ -188,6 +212,7 @@ def time_on_rank(variants: tuple[str, ...], repeats: int, warmup: int, batch: in
     for _, module, _, _ in runs:
         if hasattr(module, "close"):
             module.close()
+    times["device"] = device.type
     return times
 
 
@@ -213,10 +238,12 @@ def run(args: argparse.Namespace) -> dict:
     for n in args.world_sizes:
         times = run_ranks(time_on_rank, n, VARIANTS, args.repeats, args.warmup, args.batch,
                           width, out, timeout=1800)[0]
+        device = times.pop("device")
         medians = {name: statistics.median(t) for name, t in times.items()}
         for name in VARIANTS:
             rows.append({"world_size": n, "variant": name, "median_s": medians[name],
-                         "over_fully_shard": medians[name] / medians["fully_shard"]})
+                         "over_fully_shard": medians[name] / medians["fully_shard"],
+                         "device": device})
     return {"num_params": 3 * (width * width + width) + width * out + out,
             "model": f"MLP {width}-{width}-{width}-{width}-{out}", "batch_per_rank": args.batch,
             "repeats": args.repeats, "rows": rows}
@@ -226,10 +253,10 @@ def report(result: dict) -> None:
     print(f"Adam on {result['model']} ({result['num_params']:,} parameters), batch "
           f"{result['batch_per_rank']} per rank; median step of {result['repeats']} interleaved "
           "(slowest rank); ratio to torch's fully_shard: lower is faster")
-    print(f"{'N':>2} {'variant':<18} {'median':>9} {'/fully_shard':>13}")
+    print(f"{'N':>2} {'variant':<18} {'median':>9} {'/fully_shard':>13}  on")
     for r in result["rows"]:
         print(f"{r['world_size']:>2} {r['variant']:<18} {r['median_s'] * 1e3:>7.1f}ms "
-              f"{r['over_fully_shard']:>13.3f}")
+              f"{r['over_fully_shard']:>13.3f}  {r.get('device', '')}")
 
 
 # --------------------------------------------------------------- what chapter 9 measures

@@ -25,6 +25,7 @@ Chapter 9: ShardedOptimizer measured against torch's ZeRO and plain DDP.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -57,6 +58,7 @@ def make_mlp(width: int = 1024, out_features: int = 1001):
 
 
 VARIANTS = ("DDP, unsharded", "ZeroRedundancyOptimizer", "ShardedOptimizer", "ShardedOptimizer s2")
+NUDGED = "DDP, nudged"
 
 
 def make_variant(name: str, model, optimizer_cls, **kwargs) -> tuple:
@@ -66,7 +68,10 @@ def make_variant(name: str, model, optimizer_cls, **kwargs) -> tuple:
       ``optimizer_cls`` (plain data parallelism);
     * ``"ZeroRedundancyOptimizer"``: torch's DDP and ``ZeroRedundancyOptimizer(optimizer_cls)``;
     * ``"ShardedOptimizer"`` / ``"ShardedOptimizer s2"``: :class:`dpcourse.zero.ShardedOptimizer`,
-      stage 1 / 2.
+      stage 1 / 2;
+    * ``"DDP, nudged"`` (:data:`NUDGED`): ``"DDP, unsharded"`` with every weight, and every
+      averaged gradient at every step, one float step away (``torch.nextafter``), to measure how
+      far rounding alone carries a run (:func:`rounding_gap`).
 
     torch's DDP comes from :func:`dpcourse.ddp.wrap`, the one place variants of DDP are made.
 
@@ -77,8 +82,10 @@ def make_variant(name: str, model, optimizer_cls, **kwargs) -> tuple:
     from dpcourse import ddp
     from dpcourse.zero import ShardedOptimizer
 
-    if name == "DDP, unsharded":
+    if name in ("DDP, unsharded", NUDGED):
         opt = optimizer_cls(model.parameters(), **kwargs)
+        if name == NUDGED:
+            _nudge(model, opt)
         return ddp.wrap("torch DDP", model)[0], opt, opt
     if name == "ZeroRedundancyOptimizer":
         zro = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_cls, **kwargs)
@@ -87,7 +94,68 @@ def make_variant(name: str, model, optimizer_cls, **kwargs) -> tuple:
         stage = 2 if name.endswith("s2") else 1
         opt = ShardedOptimizer(model.parameters(), optimizer_cls, stage=stage, **kwargs)
         return model, opt, opt
-    raise ValueError(f"unknown variant {name!r}; the variants are {VARIANTS}")
+    raise ValueError(f"unknown variant {name!r}; the variants are {(*VARIANTS, NUDGED)}")
+
+
+def _nudge(model, optimizer) -> None:
+    """One float step up on every weight now, and one float step up or down (a fixed random
+    choice per element) on every gradient before each step: what another summation order of the
+    ranks' gradients (another backend, another device's kernels) does to a run, and no more."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ways = {p: torch.where(torch.rand(p.shape, generator=g) < 0.5, -math.inf, math.inf).to(p.device)
+            for p in model.parameters()}
+    with torch.no_grad():
+        for p in ways:
+            p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+
+    def nudge_gradients(opt, args, kwargs) -> None:
+        for p, way in ways.items():
+            if p.grad is not None:
+                p.grad.copy_(torch.nextafter(p.grad, way))
+
+    optimizer.register_step_pre_hook(nudge_gradients)
+
+
+def rounding_gap(result: dict, reference: dict, nudged: dict, mask=None, *, factor: float = 4.0,
+                 floor: float = 1e-6, mean_floor: float = 1e-5,
+                 loss_rtol: float = 1e-5) -> tuple[float, float]:
+    """Check that ``result`` trained as ``reference`` did, up to rounding; chapter 9.
+
+    Each is what :func:`train_variants_on_rank` returns for a variant (``params`` on the CPU,
+    ``losses``); ``nudged`` is the reference run one float step away in its weights and its
+    gradients (:data:`NUDGED`), and ``mask`` (a boolean tensor) leaves elements out, such as
+    attention's key biases, whose gradient is zero and whose Adam steps are noise.
+
+    Two runs of the same maths agree bit for bit only where they round alike: same kernels, same
+    order of summing the ranks' gradients. Across backends and devices they do not (NCCL sums in
+    its own order, GPU kernels such as fused attention round otherwise), and Adam turns a
+    last-bit difference in a gradient near zero into a step of up to the learning rate, which
+    later steps carry on. So the bounds come from the reference's own sensitivity, measured in
+    the same run on the same device: the largest absolute difference may be ``factor`` times the
+    nudged run's (at least ``floor``), and so may the mean (at least ``mean_floor``: one element
+    that Adam flips moves the mean little, a wrong learning rate moves all of them; with 10 AdamW
+    steps at lr 1e-3, a learning rate 2 % too large makes a mean of 1.1e-4 on 2 to 4 ranks);
+    losses likewise where ``result`` has them (at least ``loss_rtol`` relative). Raises
+    AssertionError naming the gaps; returns ``(gap, sensitivity)``, the largest differences.
+    """
+    keep = slice(None) if mask is None else ~mask
+    diff = (result["params"] - reference["params"])[keep].abs()
+    spread = (nudged["params"] - reference["params"])[keep].abs()
+    gap, sensitivity = diff.max().item(), spread.max().item()
+    for what, ours, rounding, least in (
+        ("largest", gap, sensitivity, floor),
+        ("mean", diff.mean().item(), spread.mean().item(), mean_floor),
+    ):
+        assert ours <= max(factor * rounding, least), (
+            f"the parameters' {what} difference to the reference is {ours:.2e}, more than "
+            f"{factor:g} x the {rounding:.2e} that rounding makes (the nudged run) and {least:g}")
+    losses = [run["losses"] for run in (result, reference, nudged)] if "losses" in result else []
+    for a, b, c in zip(*losses, strict=True):
+        assert abs(a - b) <= max(factor * abs(c - b), loss_rtol * abs(b)), (
+            f"loss {a} against the reference's {b} (nudged by rounding: {c})")
+    return gap, sensitivity
 
 
 def train_variants_on_rank(
