@@ -71,6 +71,8 @@ def test_rates_parse_and_bad_ones_say_what_to_write():
 
 def test_without_the_capability_the_error_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(netns, "_has_net_admin", lambda: False)
+    # the tools are there (the GPU image has no iproute2, which is checked first)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
     with pytest.raises(ClusterUnavailable, match="sudo.*--cap-add NET_ADMIN"):
         EmulatedCluster(2).start()
     monkeypatch.setattr(netns.shutil, "which", lambda tool: None)

@@ -206,7 +206,7 @@ def test_chapter_9_batches_are_on_the_models_device(audited):
                     timeout=120)
 
 
-# ------------------------------------------------ every machine a learner has, and the first GPU run
+# ----------------------------------------- every machine a learner has, and the first GPU run
 # Each kind of failure of the first GPU run (one H200, shared/gpu-runs/2026-11-26-h200) fails here,
 # under the audit, in the form it had, and passes in the form the course has now.
 def _cell(notebook: str, marker: str, end: str) -> str:

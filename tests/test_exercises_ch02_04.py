@@ -191,7 +191,7 @@ def _step(average=False, broadcast=True, only_first=False):
         loss.backward()
         used = replicas[:1] if only_first else replicas[: len(chunks)]
         for p, *copies in zip(master.parameters(), *(r.parameters() for r in used), strict=True):
-            p.grad = sum(c.grad for c in copies)
+            p.grad = sum(c.grad.to(p.device) for c in copies)  # the master is on the host
             if average:
                 p.grad = p.grad / len(copies)
         optimizer.step()

@@ -67,7 +67,7 @@ def timed_backward_on_gpu() -> list[tuple]:
 @pytest.mark.gpu
 def test_the_ddp_timeline_on_a_gpu_is_read_from_events():
     rows = run_ranks(timed_backward_on_gpu, 1, backend="nccl", timeout=240)[0]
-    assert len(rows) == 5
+    assert len(rows) == 3  # 300-byte buckets of the MLP: (8, 256, 128 | 4096 | 128, 640 bytes)
     for backward, finished, launched, completed in rows:
         assert 0 <= launched <= completed <= finished + 1e-4
         assert launched <= backward <= finished

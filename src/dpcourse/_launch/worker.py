@@ -23,6 +23,9 @@ from multiprocessing.connection import Connection
 
 from dpcourse._launch.job import error_reply, run_job
 
+# Seconds a rank waits to leave its process group when told to stop (the launcher waits 15).
+TEARDOWN_TIMEOUT = 5.0
+
 
 def _watch_parent(parent_pid: int) -> None:
     # The ranks live in their own session (so that the launcher can kill a rank and anything it
@@ -174,7 +177,11 @@ def serve(fd: int) -> None:
         sys.stderr.flush()
         conn.send(reply)
 
-    runtime.teardown()
+    # Leave the process group, but never wait long for it: on one H200, NCCL's destroy kept a
+    # lone rank past the launcher's 15 s (the process exits without interpreter shutdown anyway).
+    leaving = threading.Thread(target=runtime.teardown, daemon=True)
+    leaving.start()
+    leaving.join(TEARDOWN_TIMEOUT)
     runtime.end_process(0)
 
 

@@ -25,9 +25,8 @@ from dpcourse.device_audit.machines import ENV, DeviceAuditError
 DEVICE = torch.device("cpu")
 # What ``t.device`` gives for a host-tagged tensor, so that ``device=t.device`` follows it.
 HOST = torch.device("cpu")
-# What ``t.device`` gives for an untagged tensor (a gradient autograd made, say): on the modelled
-# machine it may name the GPU or the host, so what is made there stays untagged. Any other
-# torch.device("cpu") object was made by the code itself and names the host.
+# What ``t.device`` gives for an untagged CPU tensor (a gradient autograd made, say): on the
+# modelled machine it may name the GPU or the host, so what is made there stays untagged.
 UNKNOWN = torch.device("cpu")
 _TAG = "_dpcourse_where"
 _FACTORIES = frozenset(
@@ -96,14 +95,12 @@ def _device_tag(target: Any) -> str | None:
     """The tag a tensor made or moved to ``target`` gets (None: unknown)."""
     if target is DEVICE:
         return "device"
-    if target is UNKNOWN:
-        return None  # the device of an untagged tensor: the audit cannot tell which it names
     if target is HOST or (isinstance(target, str) and target.startswith("cpu")):
         return "host"
-    if isinstance(target, torch.device) and target.type == "cpu":
-        return "host"  # torch.device("cpu"), made by the code itself
     if isinstance(target, torch.Tensor):
         return where(target)
+    # UNKNOWN, or another torch.device: torch.device(runtime.device()) copies DEVICE into a new
+    # object, so the audit cannot tell which device it names
     return None
 
 
@@ -163,6 +160,8 @@ class Audit(TorchFunctionMode):
         attribute = getattr(getattr(func, "__self__", None), "__name__", "")
         if attribute == "device" and args and isinstance(args[0], torch.Tensor):
             # t.device names where t would be: device=t.device and .to(t.device) follow it
+            if out.type != "cpu":  # meta, say: a real device, whatever the tags
+                return out
             return {"device": DEVICE, "host": HOST}.get(where(args[0]), UNKNOWN)
         if isinstance(out, torch.Tensor) and where(out) is None and args:
             tag(out, where(args[0]))  # p.data, t.T, p.grad...: on the same device as t
