@@ -5,7 +5,7 @@
 #   make lab    open the notebooks in JupyterLab
 #   make browser-test  load every built page in headless Chromium, network closed (after make book)
 #   make gpu-check     on a machine with GPUs: GPU tests, the notebooks on CUDA, GPU benchmarks
-#   make audit  every notebook again under the device audit: on this CPU, as on a GPU per rank
+#   make audit  the notebooks again under the device audit: on this CPU, as on GPU machines
 # For instructors:
 #   make student                          student website and notebooks, without solutions
 #   make grade SUBMISSIONS=dir OUT=f.csv  execute submitted notebooks, write a score table
@@ -144,16 +144,37 @@ browser-test: $(STAMP)
 gpu-check: $(if $(wildcard $(BIN)/python),$(STAMP))
 	BIN=$(BIN) bash tools/gpu_check.sh
 
-# Every notebook under the device audit (dpcourse.device_audit, DPCOURSE_DEVICE_AUDIT=1): the
-# notebook and its ranks put their tensors where a machine with a GPU per rank (NCCL) would, on
-# this CPU, and a cell fails where that machine would fail (a batch left on the host, a host
-# tensor in a collective). The executed copies are not kept: the websites come from `make test`'s
-# run, whose timings the audit's bookkeeping would distort (a Transformer step: 6.9 -> 12.1 ms).
-# Not part of `make test`, which runs each notebook once; CI (.ci/run) runs it after make test.
-# tests/test_device_audit.py (in `make test`) checks the audit itself.
+# The notebooks under the device audit (dpcourse.device_audit): on this CPU, the notebook and its
+# ranks put their tensors where a machine with GPUs would, and a cell fails where that machine
+# would (a batch left on the host, a host tensor in an NCCL collective, a GPU tensor in gloo's
+# send). Once per machine of AUDIT_MACHINES: a GPU per rank (NCCL) runs every notebook; one GPU
+# shared by the ranks (gloo with GPU tensors; a lone rank gets NCCL) and two GPUs (Kaggle's T4 x2:
+# NCCL for 2 ranks, gloo for more) run the notebooks that start ranks (chapters 1-4 run in the
+# kernel alone, the same on each). The executed copies are not kept: the websites come from
+# `make test`'s run, whose timings the audit's bookkeeping would distort (a Transformer step:
+# 6.9 -> 12.1 ms). Not part of `make test`, which runs each notebook once; CI (.ci/run) runs it
+# after make test. tests/test_device_audit.py (in `make test`) checks the audit itself.
+AUDIT_MACHINES ?= gpu-per-rank one-gpu two-gpus
+RANK_NOTEBOOKS := $(shell grep -l 'run_ranks\|RankPool\|run_torchrun\|bug_hunt' chapters/*.ipynb)
+AUDIT_NOTEBOOKS_gpu-per-rank := chapters
+AUDIT_NOTEBOOKS_one-gpu := $(RANK_NOTEBOOKS)
+AUDIT_NOTEBOOKS_two-gpus ?= chapters/05_collectives.ipynb chapters/07_ddp.ipynb \
+	chapters/09_sharded_optimizers.ipynb
 audit: $(STAMP)
-	$(OMP) DPCOURSE_DEVICE_AUDIT=1 DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python \
-	  -m pytest chapters $(NBVAL) $(NBXDIST) -p no:cacheprovider $(PYTEST_ARGS)
+	@failed=""; for machine in $(AUDIT_MACHINES); do \
+	  case $$machine in \
+	    gpu-per-rank) notebooks="$(AUDIT_NOTEBOOKS_gpu-per-rank)";; \
+	    one-gpu) notebooks="$(AUDIT_NOTEBOOKS_one-gpu)";; \
+	    two-gpus) notebooks="$(AUDIT_NOTEBOOKS_two-gpus)";; \
+	    *) echo "AUDIT_MACHINES: no machine $$machine (gpu-per-rank, one-gpu, two-gpus)"; exit 2;; \
+	  esac; \
+	  echo "== the device audit, modelling $$machine: $$notebooks"; t=$$(date +%s); \
+	  $(OMP) DPCOURSE_DEVICE_AUDIT=$$machine DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 \
+	    $(BIN)/python -m pytest $$notebooks $(NBVAL) $(NBXDIST) -p no:cacheprovider $(PYTEST_ARGS) \
+	    || failed="$$failed $$machine"; \
+	  echo "== $$machine took $$(( $$(date +%s) - t )) s"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make audit failed on:$$failed"; exit 1; fi
 
 bench: $(STAMP)
 	$(BIN)/python -m dpcourse.bench launch

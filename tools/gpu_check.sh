@@ -368,6 +368,22 @@ else
   while read -r report; do  # each failing notebook's tracebacks
     mkdir -p "$out/notebook-reports" && cp "$report" "$out/notebook-reports/"
   done < <(find _build/executed-gpu -name '*.err.log' 2>/dev/null)
+  # what every cell printed (the measurements a GPU makes), by nbval's cell number
+  "$py" - _build/executed-gpu "$out/notebook-outputs.txt" <<'PY' || true
+import json, pathlib, sys
+
+root, dest = pathlib.Path(sys.argv[1]), sys.argv[2]
+with open(dest, "w") as out:
+    for path in sorted(root.rglob("*.ipynb")):
+        code = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        for n, cell in enumerate(code):
+            text = "".join(
+                "".join(o.get("text", "")) if o.get("output_type") == "stream"
+                else "".join(o.get("data", {}).get("text/plain", ""))
+                for o in cell.get("outputs", []))
+            if text.strip():
+                out.write(f"== {path.name} cell {n}\n{text[-4000:]}\n")
+PY
 fi
 if [[ -n $unit_pid ]]; then
   echo "== waiting for unit-tests"
