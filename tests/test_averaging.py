@@ -49,7 +49,7 @@ def test_local_backward_gives_each_replica_its_shards_gradient():
     for replica, shard, loss in zip(replicas, shards, losses, strict=True):
         want = replication.gradients(model, shard, mse)
         for name, p in replica.named_parameters():
-            torch.testing.assert_close(p.grad, want[name])
+            torch.testing.assert_close(p.grad.cpu(), want[name])  # the replica's device
         assert loss == pytest.approx(mse(model(shard[0]), shard[1]).item())
     with pytest.raises(ValueError, match="2 shards for 3 replicas"):
         averaging.local_backward(replicas, shards[:2], mse)
@@ -90,7 +90,7 @@ def test_mean_of_equal_shards_is_the_whole_batch_gradient(n):
     whole = replication.gradients(model, batch, mse)
     for r in replicas:  # every replica got the average back
         for name, p in r.named_parameters():
-            torch.testing.assert_close(p.grad, whole[name], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(p.grad.cpu(), whole[name], rtol=1e-12, atol=1e-12)
 
 
 def test_uneven_shards_need_the_weighted_mean():
@@ -104,7 +104,7 @@ def test_uneven_shards_need_the_weighted_mean():
     averaging.local_backward(replicas, shards, mse)
     averaging.average_gradients(replicas, weights=sizes)
     for name, p in replicas[0].named_parameters():
-        torch.testing.assert_close(p.grad, whole[name], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(p.grad.cpu(), whole[name], rtol=1e-12, atol=1e-12)
 
     averaging.local_backward(replicas, shards, mse)
     averaging.average_gradients(replicas)  # the plain mean over-weights the small shard
