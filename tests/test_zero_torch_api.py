@@ -12,21 +12,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from dpcourse import runtime
 from dpcourse.launch import run_ranks
 from dpcourse.zero import ShardedOptimizer
 
 RTOL, ATOL = 1e-5, 1e-6  # as tests/test_zero.py: float32 sums in another order, through Adam
+# On a GPU too: these loops (warm-up, clipping at 0.05) nudged one float step in every weight and
+# gradient (zero_bench.NUDGED) end at most 6e-8 apart on 2 and 3 ranks (this CPU), ATOL / 16.
 STEPS = 6
 
 
 def make_model(seed: int = 0) -> nn.Module:
+    """The model, on the rank's device (a GPU where there is one)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 5))  # 71 parameters
+    net = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 5))  # 71 parameters
+    return net.to(runtime.device())
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 5, generator=g), torch.randn(8, 5, generator=g)
+    device = runtime.device()
+    return torch.randn(8, 5, generator=g).to(device), torch.randn(8, 5, generator=g).to(device)
 
 
 def average(model: nn.Module) -> None:
@@ -78,6 +84,7 @@ def loop(model, opt, *, sharded, scaler=None, clip=None, poison_step=None, steps
 
 
 def gap(a, b) -> float:
+    a, b = [x.cpu() for x in a], [y.cpu() for y in b]  # the rank's device, or the host
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL)
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
@@ -120,7 +127,8 @@ def _checks_on_rank(stage: int) -> dict:
 
     # GradScaler, with an overflow on rank 1 only at step 2: every rank skips that step.
     # (Without reduce_gradients' NaN in every slice, only the last rank would skip: a hang.)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**12) for _ in range(2)]
+    device_type = runtime.device().type  # "cuda" on a GPU
+    scalers = [torch.amp.GradScaler(device_type, init_scale=2.0**12) for _ in range(2)]
     want, got, _ = pair(ref_scaler=scalers[0], scaler=scalers[1], poison_step=2)
     out["grad_scaler"] = gap(got[0], want[0])
     out["scales"] = (got[2], want[2])
@@ -185,7 +193,7 @@ def _checks_on_rank(stage: int) -> dict:
         out["consolidated_keys"] = (sorted(full["state"]), sorted(want["state"]))
         out["consolidated_groups"] = [g["params"] for g in full["param_groups"]]
         out["consolidated"] = max(
-            (full["state"][i][k] - want["state"][i][k]).abs().max().item()
+            (full["state"][i][k].cpu() - want["state"][i][k].cpu()).abs().max().item()
             for i in want["state"] for k in ("exp_avg", "exp_avg_sq")
         )
         plain = torch.optim.AdamW(model.parameters(), lr=0.5)
