@@ -118,8 +118,8 @@ def _nudge(model, optimizer) -> None:
     optimizer.register_step_pre_hook(nudge_gradients)
 
 
-def rounding_gap(result: dict, reference: dict, nudged: dict, mask=None, *, factor: float = 4.0,
-                 floor: float = 1e-6, mean_floor: float = 1e-5,
+def rounding_gap(result: dict, reference: dict, nudged: dict, mask=None, *,
+                 largest: float | None = None, factor: float = 4.0, mean_floor: float = 1e-5,
                  loss_rtol: float = 1e-5) -> tuple[float, float]:
     """Check that ``result`` trained as ``reference`` did, up to rounding; chapter 9.
 
@@ -130,32 +130,32 @@ def rounding_gap(result: dict, reference: dict, nudged: dict, mask=None, *, fact
 
     Two runs of the same maths agree bit for bit only where they round alike: same kernels, same
     order of summing the ranks' gradients. Across backends and devices they do not (NCCL sums in
-    its own order, GPU kernels such as fused attention round otherwise), and Adam turns a
-    last-bit difference in a gradient near zero into a step of up to the learning rate, which
-    later steps carry on. So the bounds come from the reference's own sensitivity, measured in
-    the same run on the same device: the largest absolute difference may be ``factor`` times the
-    nudged run's (at least ``floor``), and so may the mean (at least ``mean_floor``: one element
-    that Adam flips moves the mean little, a wrong learning rate moves all of them; with 10 AdamW
-    steps at lr 1e-3, a learning rate 2 % too large makes a mean of 1.1e-4 on 2 to 4 ranks);
-    losses likewise where ``result`` has them (at least ``loss_rtol`` relative). Raises
-    AssertionError naming the gaps; returns ``(gap, sensitivity)``, the largest differences.
+    its own order, GPU kernels round otherwise), and Adam turns a last-bit difference in a
+    gradient near zero into a step of up to the learning rate, in either direction, which later
+    steps carry on. Which elements flip is chance: on 3 ranks with clipping, one element moved
+    7.8e-4 apart in the nudged run on the CPU and in ShardedOptimizer's run on an H200, and by
+    4e-6 in the nudged run on that H200. So the largest difference says little; it must stay
+    within ``largest`` (what Adam can move an element in the run: 2 x steps x lr, say), and the
+    comparison rests on the mean absolute difference, which a few flipped elements barely move
+    and a real error moves everywhere: it may be ``factor`` times the nudged run's, or at least
+    ``mean_floor`` (with 10 AdamW steps at lr 1e-3, a learning rate 2 % too large makes 1.1e-4 on
+    2 to 4 ranks). Losses likewise, where ``result`` has them (at least ``loss_rtol`` relative).
+    Raises AssertionError naming the gaps; returns ``(largest difference, mean difference)``.
     """
     keep = slice(None) if mask is None else ~mask
     diff = (result["params"] - reference["params"])[keep].abs()
     spread = (nudged["params"] - reference["params"])[keep].abs()
-    gap, sensitivity = diff.max().item(), spread.max().item()
-    for what, ours, rounding, least in (
-        ("largest", gap, sensitivity, floor),
-        ("mean", diff.mean().item(), spread.mean().item(), mean_floor),
-    ):
-        assert ours <= max(factor * rounding, least), (
-            f"the parameters' {what} difference to the reference is {ours:.2e}, more than "
-            f"{factor:g} x the {rounding:.2e} that rounding makes (the nudged run) and {least:g}")
+    gap, mean, rounding = diff.max().item(), diff.mean().item(), spread.mean().item()
+    assert mean <= max(factor * rounding, mean_floor), (
+        f"the parameters' mean difference to the reference is {mean:.2e}, more than {factor:g} x "
+        f"the {rounding:.2e} that rounding makes (the nudged run) and {mean_floor:g}")
+    assert largest is None or gap <= largest, (
+        f"an element differs from the reference by {gap:.2e}, more than {largest:g}")
     losses = [run["losses"] for run in (result, reference, nudged)] if "losses" in result else []
     for a, b, c in zip(*losses, strict=True):
         assert abs(a - b) <= max(factor * abs(c - b), loss_rtol * abs(b)), (
             f"loss {a} against the reference's {b} (nudged by rounding: {c})")
-    return gap, sensitivity
+    return gap, mean
 
 
 def train_variants_on_rank(
