@@ -197,13 +197,15 @@ def _train_on_ranks(directory, total_steps, save_at, resume, restore_rng=True, s
     from torch.utils.data import DataLoader, DistributedSampler
 
     from dpcourse import checkpoint as C
+    from dpcourse import runtime
     from dpcourse.data import random_regression
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = runtime.device()  # a GPU where there is one: dropout then draws from its generator
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 2)
-    )
+    ).to(device)
     torch.manual_seed(100 + rank)  # each rank its own dropout masks
     params = list(model.parameters())
     if sharded:  # a miniature ZeRO-1: rank r keeps Adam state for params r, r+N, ...
@@ -226,6 +228,7 @@ def _train_on_ranks(directory, total_steps, save_at, resume, restore_rng=True, s
         for i, (x, y) in enumerate(loader):
             if i < skip:
                 continue  # the batches this epoch had seen before the checkpoint
+            x, y = x.to(device), y.to(device)
             loss = torch.nn.functional.mse_loss(model(x), y)
             model.zero_grad()  # not opt.zero_grad(): a sharded optimizer holds only some params
             loss.backward()
@@ -293,9 +296,11 @@ def test_resume_without_the_rank_generators_differs(tmp_path):
 def _load_with_world(directory, restore_rng):
     import torch.distributed as dist
 
+    from dpcourse import runtime
+
     model = torch.nn.Sequential(
         torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 2)
-    )
+    ).to(runtime.device())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     try:
         C.load_checkpoint(directory, model, opt, restore_rng=restore_rng)
@@ -316,7 +321,9 @@ def _rank_dies_while_saving(directory):
     """Rank 1 dies before writing its shard: the manifest must not name the new checkpoint."""
     import torch.distributed as dist
 
-    model = torch.nn.Linear(3, 3)
+    from dpcourse import runtime
+
+    model = torch.nn.Linear(3, 3).to(runtime.device())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     C.save_checkpoint(directory, 1, model, opt, sharded_optimizer=True)
     if dist.get_rank() == 1:
