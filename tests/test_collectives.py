@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dpcourse import collectives as C
+from dpcourse import runtime
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.launch import RankError, run_ranks
 
@@ -26,8 +27,9 @@ def lengths(world: int) -> list[int]:
 def make(n: int, dtype: torch.dtype, rank: int, seed: int) -> torch.Tensor:
     # Small integers are exact in every dtype, so any summation order gives the same result
     # and comparisons can be exact; the random-float cases below use tolerances instead.
+    # Drawn on the host (the same numbers on every machine), used on the rank's device.
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+    return torch.randint(-8, 9, (n,), generator=g).to(runtime.device(), dtype)
 
 
 def compare_everything(world: int) -> list[str]:
@@ -96,12 +98,14 @@ def compare_everything(world: int) -> list[str]:
 
     # random floats: equal up to the rounding of a different summation order
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(3, 333, generator=g)
+    x = torch.randn(3, 333, generator=g).to(runtime.device())
     want = x.clone()
     dist.all_reduce(want)
     for fn in (C.ring_all_reduce, C.tree_all_reduce, C.naive_all_reduce):
         got = fn(x.clone())
-        try:  # float32 sums of up to 8 values of size ~1: rounding below 1e-5
+        # float32 sums of up to 8 values of size ~1: rounding below 1e-5. On CUDA too: each
+        # step is a correctly rounded float32 add there as here, only the order differs.
+        try:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         except AssertionError as exc:
             failures.append(f"rank {rank}: {fn.__name__} on random floats: {exc}")
@@ -128,7 +132,7 @@ def traffic_of_each(world: int, n: int) -> dict:
         ("tree_broadcast", C.tree_broadcast),
         ("linear_broadcast", C.linear_broadcast),
     ]:
-        x = torch.ones(n)
+        x = torch.ones(n, device=runtime.device())
         dist.barrier()
         with C.count_traffic() as t:
             fn(x, check_shapes=False)
@@ -170,15 +174,17 @@ def test_without_a_process_group_says_how_to_run():
 
 
 def bad_inputs() -> list[str]:
-    rank = dist.get_rank()
+    rank, dev = dist.get_rank(), runtime.device()
     messages = []
     for call in [
-        lambda: C.ring_all_reduce(torch.ones(4, 4).t()),  # not contiguous
-        lambda: C.ring_all_reduce(torch.ones(3, dtype=torch.int64), op="mean"),
-        lambda: C.ring_all_reduce(torch.ones(3), op="prod"),
-        lambda: C.tree_broadcast(torch.ones(3), src=5),
-        lambda: C.ring_all_reduce(torch.ones(3 + rank)),  # sizes differ across ranks
-        lambda: C.ring_all_reduce(torch.ones(3, dtype=torch.float64 if rank else torch.float32)),
+        lambda: C.ring_all_reduce(torch.ones(4, 4, device=dev).t()),  # not contiguous
+        lambda: C.ring_all_reduce(torch.ones(3, dtype=torch.int64, device=dev), op="mean"),
+        lambda: C.ring_all_reduce(torch.ones(3, device=dev), op="prod"),
+        lambda: C.tree_broadcast(torch.ones(3, device=dev), src=5),
+        lambda: C.ring_all_reduce(torch.ones(3 + rank, device=dev)),  # sizes differ across ranks
+        lambda: C.ring_all_reduce(
+            torch.ones(3, dtype=torch.float64 if rank else torch.float32, device=dev)
+        ),
     ]:
         try:
             call()
@@ -204,10 +210,10 @@ def test_bad_input_gives_clear_errors_on_every_rank():
 
 def no_library_collective() -> list[str]:
     """Every library collective raises here: ours, shape check included, must not need one."""
-    from dpcourse.collectives.p2p import library_collectives_forbidden
+    from dpcourse.collectives.p2p import library_collectives_forbidden, posts_ahead
 
     problems = []
-    x = torch.arange(7.0)
+    x = torch.arange(7.0, device=runtime.device())
     with library_collectives_forbidden():
         for name, call in [
             ("ring", lambda: C.ring_all_reduce(x.clone())),
@@ -221,8 +227,15 @@ def no_library_collective() -> list[str]:
         ]:
             try:
                 call()
+                if name == "ring posted ahead" and not posts_ahead():
+                    problems.append(f"{name}: ran on NCCL, which it must refuse")
             except AssertionError as exc:
                 problems.append(f"{name}: {exc}")
+            except ValueError as exc:  # NCCL refuses receives posted ahead, before any message
+                if not (name == "ring posted ahead" and not posts_ahead()):
+                    raise
+                if "cannot run on NCCL" not in str(exc):
+                    problems.append(f"{name}: {exc}")
     return problems
 
 
@@ -236,7 +249,7 @@ def test_an_error_inside_a_collective_names_the_rank():
         # check_shapes=False: the sizes differ and nothing catches it before the messages fly
         if rank == 1:
             raise RuntimeError("rank 1 gives up before the ring starts")
-        C.ring_all_reduce(torch.ones(10), check_shapes=False)
+        C.ring_all_reduce(torch.ones(10, device=runtime.device()), check_shapes=False)
 
     with pytest.raises(RankError) as info:
         run_ranks(mismatched_without_check, 3, timeout=30)
@@ -246,8 +259,6 @@ def test_an_error_inside_a_collective_names_the_rank():
 # ------------------------------------------------------------------------------------- GPU
 def on_cuda(backend_ok: str) -> bool:
     rank = dist.get_rank()
-    from dpcourse import runtime
-
     device = runtime.device()
     x = torch.arange(10, dtype=torch.float32, device=device) * (rank + 1)
     want = x.clone()
@@ -278,11 +289,12 @@ def test_ring_on_cuda_with_nccl():
 
 def ring_both_ways(ahead: bool) -> bool:
     """The ring with receives posted ahead (gloo, MPI) and step by step (what NCCL runs),
-    chosen here on gloo so that the NCCL path is tested without GPUs."""
+    chosen here on gloo so that the NCCL path is tested without GPUs (NCCL refuses the
+    receives posted ahead: the test passes backend="gloo")."""
     ok = []
     for n in (0, 1, 3, 13, 50, 101, 1000):
         for op in ("sum", "max"):
-            x = torch.randint(-9, 10, (n,)).float()
+            x = torch.randint(-9, 10, (n,)).float().to(runtime.device())
             want = x.clone()
             dist.all_reduce(want, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
             with C.count_traffic() as t:
@@ -301,4 +313,4 @@ def ring_both_ways(ahead: bool) -> bool:
 def test_both_ways_of_running_the_ring_equal_the_library_and_send_the_same_bytes(
     world_size, ahead
 ):
-    assert all(run_ranks(ring_both_ways, world_size, ahead))
+    assert all(run_ranks(ring_both_ways, world_size, ahead, backend="gloo"))

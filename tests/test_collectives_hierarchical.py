@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpcourse import simulate
+from dpcourse import runtime, simulate
 from dpcourse.collectives import count_traffic
 from dpcourse.collectives import hierarchical as H
 from dpcourse.launch import run_ranks
@@ -37,8 +37,9 @@ def lengths(world: int) -> list[int]:
 def make(n: int, dtype: torch.dtype, rank: int, seed: int) -> torch.Tensor:
     # Small integers: exact in every dtype (bfloat16 too, up to 256), so any order of summation
     # gives the same sum, "mean" divides that same sum once, and comparisons can be exact.
+    # Drawn on the host (the same numbers on every machine), used on the rank's device.
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+    return torch.randint(-8, 9, (n,), generator=g).to(runtime.device(), dtype)
 
 
 def library(x: torch.Tensor, op: str, world: int) -> torch.Tensor:
@@ -80,12 +81,13 @@ def every_case(groups: dict[int, H.NodeGroups]) -> list[str]:
 def check_layout(k: int, groups: H.NodeGroups) -> list[str]:
     """Defaults, traffic, a broken variant and library collectives on ``world // k`` nodes."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    nodes, layout = world // k, f"{world // k}x{k}"
+    nodes, layout, dev = world // k, f"{world // k}x{k}", runtime.device()
     failures = []
     # Random floats, a 2-D shape, the shape check on and groups built by the call itself:
     # equal up to the rounding of another summation order (float32 sums of 6 values of
-    # size ~1: below 1e-5).
-    x = torch.randn(3, 333, generator=torch.Generator().manual_seed(rank))
+    # size ~1: below 1e-5; on CUDA too, where each add is a correctly rounded float32 add as
+    # here and only the order differs).
+    x = torch.randn(3, 333, generator=torch.Generator().manual_seed(rank)).to(runtime.device())
     # (torch.allclose, not torch.testing.assert_close: importing that costs a fresh rank 2 s.)
     got, want = H.hierarchical_all_reduce(x.clone(), k, "mean"), library(x, "mean", world)
     if got.shape != x.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
@@ -96,8 +98,8 @@ def check_layout(k: int, groups: H.NodeGroups) -> list[str]:
     # step 2 crosses nodes, 2(nodes-1)/nodes of that chunk; steps 1 and 3 send 2(k-1)/k * S.
     n = 12 * world
     size = 4 * n  # float32 bytes
-    with count_traffic() as t:
-        H.hierarchical_all_reduce(torch.ones(n), k, groups=groups)  # shape check: not counted
+    with count_traffic() as t:  # (the shape check's message is not counted)
+        H.hierarchical_all_reduce(torch.ones(n, device=dev), k, groups=groups)
     across = sum(b for kind, peer, b in t.log if kind == "send" and peer // k != rank // k)
     inside = sum(b for kind, peer, b in t.log if kind == "send" and peer // k == rank // k)
     received = sum(b for kind, peer, b in t.log if kind == "recv" and peer // k != rank // k)
@@ -123,7 +125,7 @@ def check_layout(k: int, groups: H.NodeGroups) -> list[str]:
 
     try:
         with library_collectives_forbidden():
-            H.hierarchical_all_reduce(torch.arange(7.0), k, groups=groups)
+            H.hierarchical_all_reduce(torch.arange(7.0, device=dev), k, groups=groups)
     except AssertionError as exc:
         failures.append(f"{layout}: {exc}")
     return failures
@@ -145,14 +147,14 @@ def test_hierarchical_all_reduce_equals_torch_distributed(world_size):
 
 # ------------------------------------------------------------------------------- bad input
 def bad_layouts() -> list[str]:
-    messages = []
+    messages, dev = [], runtime.device()
     for call in [
-        lambda: H.hierarchical_all_reduce(torch.ones(3), 3),  # 4 ranks are not nodes of 3
+        lambda: H.hierarchical_all_reduce(torch.ones(3, device=dev), 3),  # 4 ranks: not nodes of 3
         lambda: H.node_groups(3),
-        lambda: H.hierarchical_all_reduce(torch.ones(3), 0),
-        lambda: H.hierarchical_all_reduce(torch.ones(3), 1.5),
-        lambda: H.hierarchical_all_reduce(torch.ones(3), 4, groups=H.node_groups(2)),
-        lambda: H.hierarchical_all_reduce(torch.ones(3, dtype=torch.int64), 2, "mean"),
+        lambda: H.hierarchical_all_reduce(torch.ones(3, device=dev), 0),
+        lambda: H.hierarchical_all_reduce(torch.ones(3, device=dev), 1.5),
+        lambda: H.hierarchical_all_reduce(torch.ones(3, device=dev), 4, groups=H.node_groups(2)),
+        lambda: H.hierarchical_all_reduce(torch.ones(3, dtype=torch.int64, device=dev), 2, "mean"),
     ]:
         try:
             call()

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dpcourse import collectives as C
+from dpcourse import runtime
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.launch import RankPool
 
@@ -19,7 +20,8 @@ from dpcourse.launch import RankPool
 def check_case(n: int, seed: int, op: str, root: int) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(seed * 97 + rank)
-    x = torch.randint(-50, 51, (n,), generator=g).double()  # exact sums in any order
+    # exact sums in any order; drawn on the host, used on the rank's device
+    x = torch.randint(-50, 51, (n,), generator=g).to(runtime.device(), torch.float64)
     problems = []
     torch_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     want = x.clone()
