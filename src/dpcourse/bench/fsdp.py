@@ -272,11 +272,12 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
 
     from dpcourse.fsdp import FSDP
 
-    rank = dist.get_rank()
-    fsdp = FSDP(zero_bench.make_mlp(width, out), prefetch=prefetch)
+    rank, device = dist.get_rank(), runtime.device()
+    fsdp = FSDP(zero_bench.make_mlp(width, out).to(device), prefetch=prefetch)
     opt = torch.optim.Adam(fsdp.parameters(), lr=LR)
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, out, generator=g)
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randn(batch, out, generator=g).to(device)
     events: list[tuple[str, str, float, float]] = []
     t0 = [0.0]
 
@@ -319,12 +320,14 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
         for i in layer.trainable():
             layer.full[i].register_post_accumulate_grad_hook(gradient_done)
     for _ in range(2):
+        runtime.synchronize(device)
         dist.barrier()
         events.clear()
         t0[0] = time.perf_counter()
         opt.zero_grad()
         nn.functional.mse_loss(fsdp(x), y).backward()
         fsdp.finish_gradient_synchronization()
+        runtime.synchronize(device)  # on a GPU the times are the host's, when the hooks ran
         events.append(("step", "finished", now(), now()))
         opt.step()
     fsdp.close()
@@ -343,11 +346,12 @@ def memory_by_stage_on_rank(width: int = 1024, out: int = 1001,
     from dpcourse.memory_measurement import optimizer_state_bytes
     from dpcourse.zero import ShardedOptimizer
 
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, out, generator=g)
+    g, device = torch.Generator().manual_seed(dist.get_rank()), runtime.device()
+    x = torch.randn(batch, width, generator=g).to(device)
+    y = torch.randn(batch, out, generator=g).to(device)
     held = {}
     for stage in range(4):
-        model = zero_bench.make_mlp(width, out)
+        model = zero_bench.make_mlp(width, out).to(device)
         if stage == 3:
             module = FSDP(model)
             opt = torch.optim.Adam(module.parameters(), lr=LR)
