@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse import launch
+from dpcourse import device_audit, launch, runtime
 from dpcourse._launch import forkserver
 from dpcourse.launch import RankDiedError, RankError, RankPool, RankTimeoutError, run_ranks
 
@@ -67,7 +67,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs L
 def rank_and_sum(offset, scale=1.0):
     import torch.distributed as dist
 
-    t = torch.tensor([float(dist.get_rank() + offset)])
+    t = torch.tensor([float(dist.get_rank() + offset)], device=runtime.device())
     dist.all_reduce(t)
     return dist.get_rank(), dist.get_world_size(), t.item() * scale
 
@@ -88,8 +88,12 @@ def test_rank_sees_runtime_info_and_one_thread():
 
     results = run_ranks(info, 2)
     assert [r[:2] for r in results] == [(0, 2), (1, 2)]
-    expected_backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    # NCCL where every rank has a GPU (under the device audit: on the machine it models)
+    expected_backend = runtime.choose_backend(2)
     assert {r[2] for r in results} == {expected_backend}
+    assert [r[3] for r in results] == [
+        str(runtime.device_for_rank(r, 2, expected_backend)) for r in range(2)
+    ]
     assert {r[4] for r in results} == {1}
 
 
@@ -142,7 +146,9 @@ def test_function_defined_in_a_notebook_cell_runs_on_four_ranks(tmp_path):
             from dpcourse.launch import run_ranks
 
             def square_and_sum():
-                t = torch.tensor([float(dist.get_rank()) ** 2])
+                from dpcourse import runtime
+
+                t = torch.tensor([float(dist.get_rank()) ** 2], device=runtime.device())
                 dist.all_reduce(t)
                 return t.item()
 
@@ -265,10 +271,18 @@ def test_not_callable_is_a_clear_error():
         run_ranks(42, 2)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="checks the error without GPUs")
 def test_nccl_without_enough_gpus_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="NCCL needs one GPU per rank"):
-        run_ranks(rank_and_sum, 2, 0, backend="nccl")
+    # One rank more than this node's GPUs (under the device audit: the modelled machine's).
+    if device_audit.requested():
+        gpus = device_audit.modelled_gpus()
+        if gpus is None:
+            pytest.skip(f"the modelled machine ({device_audit.machine()}) has a GPU per rank")
+    else:
+        gpus = runtime.gpu_count()
+    world_size = max(2, gpus + 1)
+    expected = f"NCCL needs one GPU per rank, but this node runs {world_size} ranks and has {gpus}"
+    with pytest.raises(RuntimeError, match=expected):
+        run_ranks(rank_and_sum, world_size, 0, backend="nccl")
 
 
 # ------------------------------------------------------------------------- deaths and stalls

@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dpcourse import runtime
 from dpcourse.launch import RankError, run_ranks
 
 
 def _pid_and_sum() -> tuple[int, float]:
-    t = torch.ones(1)
+    t = torch.ones(1, device=runtime.device())
     dist.all_reduce(t)
     return os.getpid(), t.item()
 
