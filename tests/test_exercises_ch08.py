@@ -110,7 +110,8 @@ def global_stats(x):
 
 
 def exact_global_stats(x):
-    packed = torch.cat([x.sum(0), (x * x).sum(0), torch.tensor([float(len(x))], dtype=x.dtype)])
+    count = torch.tensor([float(len(x))], dtype=x.dtype, device=x.device)  # a GPU's, there
+    packed = torch.cat([x.sum(0), (x * x).sum(0), count])
     dist.all_reduce(packed)
     c = x.shape[1]
     mean = packed[:c] / packed[-1]
@@ -127,7 +128,7 @@ def mean_of_means(x):
 
 def unbiased(x):
     mean, var = exact_global_stats(x)
-    packed = torch.tensor([float(len(x))], dtype=x.dtype)
+    packed = torch.tensor([float(len(x))], dtype=x.dtype, device=x.device)
     dist.all_reduce(packed)
     n = packed.item()
     return mean, var * n / (n - 1)
