@@ -25,14 +25,14 @@ def ring_for_multiples_only(t):
     right, left = (r + 1) % n, (r - 1) % n
     for s in range(n - 1):
         si, ri = (r - s) % n, (r - s - 1) % n
-        buf = torch.empty(k)
+        buf = torch.empty(k, device=t.device)
         req = dist.irecv(buf, left)
         dist.send(t[si * k : (si + 1) * k].clone(), right)
         req.wait()
         t[ri * k : (ri + 1) * k] += buf
     for s in range(n - 1):
         si, ri = (r - s + 1) % n, (r - s) % n
-        buf = torch.empty(k)
+        buf = torch.empty(k, device=t.device)
         req = dist.irecv(buf, left)
         dist.send(t[si * k : (si + 1) * k].clone(), right)
         req.wait()
