@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dpcourse import data, ddp, models
+from dpcourse import data, ddp, models, runtime
 from dpcourse.bench.ddp import timed_backward
 from dpcourse.buckets import MB, bucket_assignment
 from dpcourse.launch import run_ranks
@@ -446,8 +446,6 @@ def test_epoch_indices_equal_distributed_sampler(world, n):
 def gpu_on_rank() -> tuple[str, float, int]:
     """DDP and torch's DDP on this rank's GPU (gloo with CUDA tensors on one GPU, NCCL on
     several), trained alike; and a timeline of one step."""
-    from dpcourse import runtime
-
     rank, world, device = dist.get_rank(), dist.get_world_size(), runtime.device()
     results = {}
     for kind in ("DDP", "torch DDP"):
@@ -528,24 +526,27 @@ def _torch_arguments_on_rank() -> dict:
             return f"{type(exc).__name__}: {exc}"
         return None
 
+    def mlp() -> nn.Module:  # on the rank's device: NCCL takes no host tensors
+        return models.MLP().to(runtime.device())
+
     torch.manual_seed(dist.get_rank())  # different weights on each rank
     # torch's positional order: device_ids, output_device, dim, broadcast_buffers, init_sync,
     # process_group, bucket_cap_mb, find_unused_parameters, check_reduction,
     # gradient_as_bucket_view, static_graph
-    wrapped = ddp.DDP(models.MLP(), None, None, 0, True, True, None, 0.001, True, False, True,
+    wrapped = ddp.DDP(mlp(), None, None, 0, True, True, None, 0.001, True, False, True,
                       True)
     out["synced"] = [p.detach().clone() for p in wrapped.parameters()]
     out["buckets"] = len(wrapped.buckets)
     torch.manual_seed(dist.get_rank())
-    kept = ddp.DDP(models.MLP(), init_sync=False)
+    kept = ddp.DDP(mlp(), init_sync=False)
     out["not_synced"] = [p.detach().clone() for p in kept.parameters()]
-    out["default_group"] = error(lambda: ddp.DDP(models.MLP(), process_group=dist.group.WORLD))
-    out["dim"] = error(lambda: ddp.DDP(models.MLP(), dim=1))
-    out["device_ids"] = error(lambda: ddp.DDP(models.MLP(), device_ids=[0, 1]))
-    out["mixed_precision"] = error(lambda: ddp.DDP(models.MLP(), mixed_precision=object()))
-    out["typo"] = error(lambda: ddp.DDP(models.MLP(), bucket_cap=25))
+    out["default_group"] = error(lambda: ddp.DDP(mlp(), process_group=dist.group.WORLD))
+    out["dim"] = error(lambda: ddp.DDP(mlp(), dim=1))
+    out["device_ids"] = error(lambda: ddp.DDP(mlp(), device_ids=[0, 1]))
+    out["mixed_precision"] = error(lambda: ddp.DDP(mlp(), mixed_precision=object()))
+    out["typo"] = error(lambda: ddp.DDP(mlp(), bucket_cap=25))
     group = dist.new_group([0, 1])
-    out["group"] = error(lambda: ddp.DDP(models.MLP(), process_group=group))
+    out["group"] = error(lambda: ddp.DDP(mlp(), process_group=group))
     return out
 
 
