@@ -25,8 +25,9 @@ def test_input_size_recorder_shares_its_log_between_replicas():
 
 def test_nn_data_parallel_on_this_machine():
     recorder = dataparallel.InputSizeRecorder(models.MLP())
-    dp = nn.DataParallel(recorder.to(replication.devices_for(1)[0]))
-    out = dp(torch.randn(30, 5))
+    device = replication.devices_for(1)[0]  # cuda:0 on a GPU: DataParallel scatters from there
+    dp = nn.DataParallel(recorder.to(device))
+    out = dp(torch.randn(30, 5).to(device))
     assert out.shape == (30, 2)
     sizes = sorted(inp[0] for _, inp, _ in recorder.log.calls)
     gpus = runtime.gpu_count()
