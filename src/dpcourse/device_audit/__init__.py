@@ -25,8 +25,9 @@ torch function mode tags each tensor by where it would live on the modelled mach
 * ``"host"``: made by a factory (``torch.zeros``, ``torch.tensor``, ``torch.randn``…) with no
   ``device=``, by ``.cpu()`` / ``.to("cpu")``, loaded with ``map_location="cpu"``, and a parameter
   made from a host tensor;
-* results of other operations, and ``.data``, take the tag of their inputs; tensors made elsewhere
-  (autograd's gradients) or with some other explicit device carry none and never fail.
+* results of other operations, and ``.data``, ``.T`` or ``.grad``, take the tag of their inputs
+  (the mode also runs inside autograd's hooks, which torch calls with no mode active); tensors
+  made with some other explicit device carry none and never fail.
 
 What raises (:class:`DeviceAuditError`, with the error the GPU machine gives): an operation mixing
 a "device" tensor with a "host" tensor of one or more dimensions (0-dimensional host tensors are
@@ -58,7 +59,16 @@ from dpcourse.device_audit.machines import (
     requested,
     setting,
 )
-from dpcourse.device_audit.tags import DEVICE, HOST, Audit, tag, tag_loads, tag_parameters, where
+from dpcourse.device_audit.tags import (
+    DEVICE,
+    HOST,
+    Audit,
+    audit_autograd_hooks,
+    tag,
+    tag_loads,
+    tag_parameters,
+    where,
+)
 
 __all__ = ["ENV", "MACHINES", "DEVICE", "HOST", "DeviceAuditError", "requested", "setting",
            "machine", "modelled_gpus", "modelled_backend", "begin_rank", "rank_backend",
@@ -83,6 +93,7 @@ def enable() -> None:
     tag_parameters()
     tag_loads()
     guard_fsdp()
+    audit_autograd_hooks(lambda: _mode)
     if not enabled():
         _mode = Audit()
         _mode.__enter__()  # stays on for the life of the process (a kernel, a rank)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -231,3 +231,29 @@ def tag_loads() -> None:
 
     audited_load._dpcourse_audited = True
     torch.load = audited_load
+
+
+def audit_autograd_hooks(mode: Callable[[], TorchFunctionMode | None]) -> None:
+    """Run the hooks given to ``Tensor.register_hook`` and ``register_post_accumulate_grad_hook``
+    under the audit's mode (``mode()`` returns it): the autograd engine calls them with no
+    function mode active, so a hook's ``param.grad`` would carry no tag and what it hands to a
+    collective would go unchecked (DDP's hooks, ex-7-hook)."""
+    for name in ("register_hook", "register_post_accumulate_grad_hook"):
+        real = getattr(torch.Tensor, name)
+        if getattr(real, "_dpcourse_audited", False):
+            continue
+
+        def register(self, hook, _real=real):
+            @functools.wraps(hook)
+            def audited(*args, **kwargs):
+                active = mode()
+                if active is None or active in torch.overrides._get_current_function_mode_stack():
+                    return hook(*args, **kwargs)
+                with active:
+                    return hook(*args, **kwargs)
+
+            return _real(self, audited)
+
+        register._dpcourse_audited = True
+        setattr(torch.Tensor, name, register)
+
