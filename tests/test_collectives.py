@@ -314,3 +314,28 @@ def test_both_ways_of_running_the_ring_equal_the_library_and_send_the_same_bytes
     world_size, ahead
 ):
     assert all(run_ranks(ring_both_ways, world_size, ahead, backend="gloo"))
+
+
+def _counted_from_another_thread() -> int:
+    import threading
+
+    from dpcourse import runtime
+    from dpcourse.collectives import count_traffic, p2p
+
+    peer = 1 - dist.get_rank()
+    x = torch.ones(10, device=runtime.device())
+
+    def backward_thread():  # a thread that never counted, as autograd's device thread on a GPU
+        p2p.exchange(x.clone(), peer, torch.empty_like(x), peer)
+
+    with count_traffic() as traffic:
+        worker = threading.Thread(target=backward_thread)
+        worker.start()
+        worker.join()
+    return traffic.bytes_sent
+
+
+def test_messages_from_a_thread_that_never_counted_count_for_the_rank():
+    """On the H200, chapter 9's FSDP step counted a third of its bytes: on a GPU autograd runs
+    the backward hooks, which launch FSDP's collectives, on a thread of its own."""
+    assert run_ranks(_counted_from_another_thread, 2) == [40, 40]

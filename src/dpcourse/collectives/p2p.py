@@ -63,6 +63,15 @@ class Traffic:
 
 # Per thread: the virtual ranks of a simulation are threads of one process, each with its own.
 _counting = threading.local()
+# And per process, for threads that never counted: on a GPU, autograd runs backward and its
+# hooks on a thread of its own (chapter 9's FSDP launches its gathers and reduce-scatters from
+# there), whose messages belong to the rank's count all the same.
+_process_counters: list[Traffic] = []
+
+
+def _active() -> list[Traffic]:
+    active = getattr(_counting, "active", None)
+    return _process_counters if active is None else active
 # Set per thread by dpcourse.simulate: that thread is a virtual rank of a simulated network.
 _simulated = threading.local()
 
@@ -78,10 +87,12 @@ def count_traffic() -> Iterator[Traffic]:
     if not hasattr(_counting, "active"):
         _counting.active = []
     _counting.active.append(traffic)
+    _process_counters.append(traffic)
     try:
         yield traffic
     finally:
         _counting.active.remove(traffic)
+        _process_counters.remove(traffic)
 
 
 # torch.distributed's collectives, which the course's own must never call (see __init__).
@@ -122,8 +133,9 @@ def counted_like(counters: list[Traffic]) -> Iterator[None]:
 
 
 def active_counters() -> list[Traffic]:
-    """The :func:`count_traffic` blocks active on this thread (for :func:`counted_like`)."""
-    return list(getattr(_counting, "active", None) or [])
+    """The :func:`count_traffic` blocks active on this thread (for :func:`counted_like`): on a
+    thread that never counted (autograd's, on a GPU), those of the process."""
+    return list(_active())
 
 
 @contextlib.contextmanager
@@ -140,7 +152,7 @@ def not_counted() -> Iterator[None]:
 
 
 def _record(kind: str, peer: int, tensor: torch.Tensor) -> None:
-    active = getattr(_counting, "active", None)
+    active = _active()
     if not active:  # the common case, kept cheap: every message passes here
         return
     nbytes = tensor.numel() * tensor.element_size()
