@@ -120,7 +120,7 @@ def _nudge(model, optimizer) -> None:
 
 def rounding_gap(result: dict, reference: dict, nudged: dict, mask=None, *,
                  largest: float | None = None, factor: float = 4.0, mean_floor: float = 1e-5,
-                 loss_rtol: float = 1e-5) -> tuple[float, float]:
+                 loss_rtol: float = 1e-4) -> tuple[float, float]:
     """Check that ``result`` trained as ``reference`` did, up to rounding; chapter 9.
 
     Each is what :func:`train_variants_on_rank` returns for a variant (``params`` on the CPU,
@@ -139,7 +139,9 @@ def rounding_gap(result: dict, reference: dict, nudged: dict, mask=None, *,
     comparison rests on the mean absolute difference, which a few flipped elements barely move
     and a real error moves everywhere: it may be ``factor`` times the nudged run's, or at least
     ``mean_floor`` (with 10 AdamW steps at lr 1e-3, a learning rate 2 % too large makes 1.1e-4 on
-    2 to 4 ranks). Losses likewise, where ``result`` has them (at least ``loss_rtol`` relative).
+    2 to 4 ranks). Losses likewise, where ``result`` has them, or ``loss_rtol`` relative: a
+    flipped element moves the loss too (1.2e-5 on that H200), a 2 % larger learning rate by 6e-4
+    to 2e-3 from the second step on (3 ranks, clipped, CPU).
     Raises AssertionError naming the gaps; returns ``(largest difference, mean difference)``.
     """
     keep = slice(None) if mask is None else ~mask
