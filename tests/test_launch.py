@@ -346,6 +346,23 @@ def test_repeated_launches_tear_down_cleanly(recwarn):
     assert not [w for w in recwarn if "shut down" in str(w.message)]
 
 
+def _leaving_hangs() -> None:
+    """In this rank, leaving the process group takes longer than the launcher waits (NCCL's
+    destroy did on the H200, for a lone rank)."""
+    runtime.teardown = lambda: time.sleep(60)
+
+
+def test_a_rank_that_cannot_leave_its_group_still_exits_in_time(recwarn):
+    """tests/test_train_cli.py's fixture on the H200: 'ranks did not shut down cleanly: rank 0:
+    still running, killed'. A rank waits 5 s to leave its group, then exits all the same."""
+    pool = RankPool(1)
+    pool.run(_leaving_hangs)
+    start = time.monotonic()
+    pool.close()
+    assert time.monotonic() - start < 12  # the launcher waits 15 s before it kills
+    assert not [w for w in recwarn if "shut down" in str(w.message)]
+
+
 # ----------------------------------------------------------------------------------- pool
 def test_pool_keeps_ranks_alive_and_run_ranks_uses_it():
     def pid():
