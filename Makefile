@@ -6,6 +6,7 @@
 #   make browser-test  load every built page in headless Chromium, network closed (after make book)
 #   make gpu-check     on a machine with GPUs: GPU tests, the notebooks on CUDA, GPU benchmarks
 #   make audit  the notebooks again under the device audit: on this CPU, as on GPU machines
+#   make audit-unit  the unit tests under the device audit, likewise
 # For instructors:
 #   make student                          student website and notebooks, without solutions
 #   make grade SUBMISSIONS=dir OUT=f.csv  execute submitted notebooks, write a score table
@@ -44,7 +45,7 @@ OMP = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS),)
 EXECUTED := _build/executed
 
 .PHONY: setup vendor book notebooks site student grade test unit lint test-notebooks bench lab \
-	clean browser-test gpu-check audit
+	clean browser-test gpu-check audit audit-unit
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -175,6 +176,19 @@ audit: $(STAMP)
 	  echo "== $$machine took $$(( $$(date +%s) - t )) s"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "make audit failed on:$$failed"; exit 1; fi
+
+# The unit tests under the device audit, once per machine of AUDIT_MACHINES: the tests' own rank
+# code puts its tensors where each machine would (on this 2-core machine the whole suite takes
+# about 15 minutes per machine; AUDIT_TESTS= picks files). Not in CI, which runs the notebooks'
+# audit and tests/test_device_audit.py; run it after changing a test's rank code.
+AUDIT_TESTS ?= tests
+audit-unit: $(STAMP)
+	@failed=""; for machine in $(AUDIT_MACHINES); do \
+	  echo "== the unit tests under the device audit, modelling $$machine"; \
+	  $(OMP) DPCOURSE_DEVICE_AUDIT=$$machine $(BIN)/python -m pytest $(AUDIT_TESTS) $(XDIST) \
+	    -p no:cacheprovider $(PYTEST_ARGS) || failed="$$failed $$machine"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make audit-unit failed on:$$failed"; exit 1; fi
 
 bench: $(STAMP)
 	$(BIN)/python -m dpcourse.bench launch
