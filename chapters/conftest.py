@@ -7,6 +7,10 @@ student edition are rendered from the run that tested them and no notebook runs 
 (``make test``). A notebook whose cells raised also gets ``DIR/<its path>.err.log`` with each
 traceback, the build report that ``make test`` copies under ``_build/html/reports/``.
 
+Under the device audit, ``DPCOURSE_AUDIT_PLAN="05_collectives=two-gpus bug_hunt=one-gpu ..."``
+gives a notebook's kernel (and so its ranks) a machine of its own, set before the kernel starts;
+the others get ``DPCOURSE_DEVICE_AUDIT``'s. CI's one pass of ``make audit`` uses it.
+
 The outputs are assembled from the kernel's messages by nbclient, the executor the book
 itself uses: display updates, cleared outputs and the widgets' state (from which the website
 draws them without a kernel) come out exactly as in a ``make book`` run.
@@ -16,6 +20,7 @@ Chapter 0: the course's tooling (the notebooks as tests).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -28,6 +33,19 @@ except ImportError:  # pragma: no cover
     IPyNbCell = None
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_AUDIT = "DPCOURSE_DEVICE_AUDIT"
+_audit_default = os.environ.get(_AUDIT)  # the machine of the notebooks the plan does not name
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before a notebook's kernel starts (nbval starts it in its file's setup, which follows
+    this hook), give it the machine ``DPCOURSE_AUDIT_PLAN`` names for it."""
+    plan = dict(entry.split("=", 1) for entry in os.environ.get("DPCOURSE_AUDIT_PLAN", "").split())
+    if plan and IPyNbCell is not None and isinstance(item, IPyNbCell):
+        machine = plan.get(Path(item.parent.path).stem, _audit_default)
+        if machine:
+            os.environ[_AUDIT] = machine
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -78,6 +78,9 @@ def test_without_the_capability_the_error_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(netns.shutil, "which", lambda tool: None)
     with pytest.raises(ClusterUnavailable, match="iproute2 .ip and tc not found"):
         EmulatedCluster(2).start()
+    monkeypatch.setenv("DPCOURSE_NO_CLUSTER", "1")  # asked for none (CI's audit pass)
+    with pytest.raises(ClusterUnavailable, match="DPCOURSE_NO_CLUSTER is set"):
+        EmulatedCluster(2).start()
 
 
 @needs_cluster

@@ -34,7 +34,12 @@ def _has_net_admin() -> bool:
 
 def check_available() -> None:
     """Raise :class:`ClusterUnavailable` saying what is missing, or return if a cluster can be
-    built here (Linux, ``ip`` and ``tc``, root or ``CAP_NET_ADMIN``)."""
+    built here (Linux, ``ip`` and ``tc``, root or ``CAP_NET_ADMIN``, and no
+    ``DPCOURSE_NO_CLUSTER=1`` in the environment: the chapters then show recorded runs)."""
+    if os.environ.get("DPCOURSE_NO_CLUSTER", "") not in ("", "0"):
+        raise ClusterUnavailable(
+            "DPCOURSE_NO_CLUSTER is set: no emulated cluster is built (unset it to measure)"
+        )
     if not os.path.exists("/proc/self/ns/net"):
         raise ClusterUnavailable(
             "the emulated cluster needs Linux network namespaces; this system has none "
