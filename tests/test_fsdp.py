@@ -127,12 +127,12 @@ def gap(a: dict, b: dict) -> float:
 def _runs_on_rank() -> dict:
     world = dist.get_world_size()
     out = {}
-    # fully_shard runs on the rank's device with NCCL (mesh None), else on the host: ours is
-    # compared with it where it runs, so that both use the same kernels
-    device, mesh = fully_shard_placement()
+    # fully_shard runs on the rank's device with NCCL, else on the host: ours is compared with
+    # it where it runs, so that both use the same kernels (trained again where ranks share a GPU)
+    device, _ = fully_shard_placement()
 
     def ours_where_fully_shard_runs(ours: dict, **kw) -> dict:
-        return ours if mesh is None else train_ours(device=device, **kw)
+        return ours if device == runtime.device() else train_ours(device=device, **kw)
 
     single = train_single(world)
     ours = train_ours()
