@@ -193,8 +193,8 @@ audit-quick: $(STAMP)
 
 # The unit tests under the device audit, once per machine of AUDIT_MACHINES: the tests' own rank
 # code puts its tensors where each machine would (on this 2-core machine the whole suite takes
-# about 15 minutes per machine; AUDIT_TESTS= picks files). Not in CI, which runs the notebooks'
-# audit and tests/test_device_audit.py; run it after changing a test's rank code.
+# about 4 minutes per machine; AUDIT_TESTS= picks files). Not in CI, whose 12 minutes the
+# notebooks' audit and tests/test_device_audit.py fill; run it after changing a test's rank code.
 AUDIT_TESTS ?= tests
 audit-unit: $(STAMP)
 	@failed=""; for machine in $(AUDIT_MACHINES); do \

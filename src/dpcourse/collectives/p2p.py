@@ -225,7 +225,7 @@ class Handle:
 
 
 _DONE = Handle()  # what posting nothing returns
-Waitable = Handle | dist.Work  # what irecv and isend return: call wait() on it
+Waitable = Handle | dist.Work  # what irecv and isend return (or shared_gpu.StagedWork): wait()
 
 
 def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> Waitable:
