@@ -295,7 +295,9 @@ def test_point_to_point_of_gpu_tensors_over_gloo_fails_unless_staged(monkeypatch
 
 
 def _nccl_versions_on_rank():
-    y = torch.ones(2, device=__import__("dpcourse.runtime").runtime.device())
+    from dpcourse import runtime
+
+    y = torch.ones(2, device=runtime.device())
     version = y._version
     dist.all_reduce(y)
     return y._version - version

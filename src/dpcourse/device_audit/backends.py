@@ -168,7 +168,7 @@ def _guard_fully_shard(fsdp_module) -> None:
                 "torch's fully_shard on the GPU over gloo (ranks sharing a GPU) killed both ranks "
                 "with SIGSEGV (torch 2.11, one H200): where ranks share a GPU, run it on the host "
                 "with mesh=init_device_mesh('cpu', (world_size,)) and the model on the CPU "
-                f"(bench.fsdp.fully_shard_mesh()). (Found by the device audit, {ENV}.)"
+                f"(bench.fsdp.fully_shard_placement()). (Found by the device audit, {ENV}.)"
             )
         out = real(module, *args, **kwargs)
         if not on_cpu:  # the default mesh is the GPU's: fully_shard moved the parameters there
