@@ -284,10 +284,12 @@ def test_a_step_sends_one_and_a_half_times_ddps_bytes():
     numel = per_rank[0]["numel"]
     fsdp_total = sum(r["sent"] for r in per_rank)
     ddp_total = sum(r["ddp_sent"] for r in per_rank)
-    # two all-gathers and one reduce-scatter, each (N-1)/N of the fp32 parameters per rank
-    assert fsdp_total == 3 * (world - 1) * 4 * numel
+    # two all-gathers and one reduce-scatter, each (N-1)/N of the fp32 parameters per rank,
+    # and the overflow flag: one float32 all-reduced over the ring (N-1 messages each way)
+    flag = 2 * (world - 1) * 4
+    assert fsdp_total == 3 * (world - 1) * 4 * numel + flag
     assert ddp_total == 2 * (world - 1) * 4 * numel
-    assert fsdp_total / ddp_total == 1.5
+    assert (fsdp_total - flag) / ddp_total == 1.5
 
 
 # ---------------------------------------------------------------------------- errors
@@ -338,6 +340,114 @@ def test_no_process_group_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="no process group"):
         FSDP(make_net())
+
+
+# -------------------------------------------------------------- fp16 loss scaling
+def _overflow_on_rank(how: str) -> dict:
+    """Two fp16 steps with a GradScaler; in the first, the last rank's gradients overflow:
+    ``"head row 0"``, an inf in the head's bias gradient, in the row that rank 0 owns (the last
+    rank owns none of the head at 3 ranks), or ``"targets"``, targets 1e3 times larger."""
+    from dpcourse.fsdp import FSDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fsdp = FSDP(make_net(), layers=None, compute_dtype=torch.float16)
+    opt = make_opt(fsdp.parameters())
+    scaler = torch.amp.GradScaler(runtime.device().type, init_scale=2.0**10)
+    head = next(layer for layer in fsdp.layers if layer.name == "head")
+    bias = head.full[head.param_names.index("bias")]
+    first = [True]
+
+    def overflow(grad: torch.Tensor) -> torch.Tensor:  # before it is accumulated, in fp16
+        if first[0] and rank == world - 1 and how == "head row 0":
+            return grad.index_fill(0, torch.tensor([0], device=grad.device), float("inf"))
+        return grad
+
+    bias.register_hook(overflow)
+    out = {"scales": [], "moved": []}
+    for step in range(2):
+        before = fsdp.full_state_dict()
+        x, y = batch(step, rank)
+        if step == 0 and rank == world - 1 and how == "targets":
+            y = y * 1e3
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(fsdp(x).float(), y)).backward()
+        fsdp.finish_gradient_synchronization()
+        scaler.step(opt)
+        scaler.update()
+        first[0] = False
+        out["scales"].append(scaler.get_scale())
+        out["moved"].append(gap(before, fsdp.full_state_dict()))
+    fsdp.close()
+    return out
+
+
+@pytest.mark.parametrize("how", ["head row 0", "targets"])
+def test_one_ranks_fp16_overflow_makes_every_rank_skip_the_step(how):
+    """Without the all-reduced flag, in "head row 0" the ranks that own none of the overflowing
+    rows step while rank 0 skips, and the GradScalers' scales part ways (checked: the test then
+    fails); "targets" is an overflow that backward spreads to every layer's rows."""
+    per_rank = run_ranks(_overflow_on_rank, 3, how, timeout=120)
+    for r in per_rank:
+        assert r["scales"] == [2.0**9, 2.0**9], per_rank  # halved once, the same everywhere
+        assert r["moved"][0] == 0, per_rank  # the step was skipped on every rank
+        assert r["moved"][1] > 0, per_rank  # and the next one taken
+
+
+# ------------------------------------------------------------------ host syncs
+_HOST_SYNCS = ("__bool__", "item", "tolist", "__float__", "__int__", "numpy")
+
+
+def _host_syncs_on_rank() -> list[str]:
+    """The places in dpcourse's code that read a tensor's value on the host (on a GPU: wait for
+    it) during training steps of ShardedOptimizer (stages 1 and 2) and FSDP. The methods are
+    replaced on the class, not watched by a TorchFunctionMode, which autograd's hooks and
+    callbacks (where the overflow checks run) do not see."""
+    import traceback
+
+    from dpcourse.fsdp import FSDP
+    from dpcourse.zero import ShardedOptimizer
+
+    seen: set[str] = set()
+
+    def watched(name: str):
+        real = getattr(torch.Tensor, name)
+
+        def method(self, *args, **kwargs):
+            caller = traceback.extract_stack()[-2]
+            if "/dpcourse/" in caller.filename:
+                seen.add(f"{caller.filename.rsplit('/', 1)[-1]}:{caller.lineno} {name}")
+            return real(self, *args, **kwargs)
+        return real, method
+
+    models = [make_net(frozen=False), make_net(frozen=False)]
+    optimizers = [ShardedOptimizer(m.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+                  for m, stage in zip(models, (1, 2), strict=True)]
+    fsdp = FSDP(make_net(), layers=LAYERS)
+    models.append(fsdp)
+    optimizers.append(make_opt(fsdp.parameters()))
+    replaced = {name: watched(name) for name in _HOST_SYNCS}
+    for name, (_, method) in replaced.items():
+        setattr(torch.Tensor, name, method)
+    try:
+        for s in range(2):
+            x, y = batch(s, dist.get_rank())
+            for model, opt in zip(models, optimizers, strict=True):
+                nn.functional.mse_loss(model(x), y).backward()
+                if model is fsdp:
+                    fsdp.finish_gradient_synchronization()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        for name, (real, _) in replaced.items():
+            setattr(torch.Tensor, name, real)
+    fsdp.close()
+    return sorted(seen)
+
+
+def test_a_training_step_does_not_wait_for_the_device():
+    """On a GPU, reading a tensor's value on the host waits for every kernel queued before it:
+    the overflow checks of ShardedOptimizer and FSDP stay on the device."""
+    assert run_ranks(_host_syncs_on_rank, 2, timeout=120) == [[], []]
 
 
 # ----------------------------------------------------------------------- checkpoints

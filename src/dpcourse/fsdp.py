@@ -15,13 +15,20 @@ rank still holds every parameter. Stage 3 shards the parameters too, as torch's 
    gradient, they are reduce-scattered in fp32, averaged, added to the shards' ``.grad``, and
    the full parameters are freed (ZeRO-3's order: gather, compute, free; reduce-scatter, free);
 4. **prefetch**: every collective runs on one communication thread, in the order the hooks
-   submit them (the same on every rank). With ``prefetch=True`` a layer's pre-hook also
+   submit them (the same on every rank); on a GPU, on the thread's own streams, an all-gather
+   stream and a reduce-scatter stream, synchronised with the compute stream by events
+   (:class:`~dpcourse.fsdp_layer.CommThread`). With ``prefetch=True`` a layer's pre-hook also
    submits the next layer's all-gather (the previous layer's, in backward), so it is on the
    wire while this layer computes: at most two layers are gathered at a time.
 
 Parameters outside the sharded layers stay replicated; their gradients are all-reduced in
-:meth:`FSDP.finish_gradient_synchronization`. A step is ``loss.backward();
-fsdp.finish_gradient_synchronization(); optimizer.step()``.
+:meth:`FSDP.finish_gradient_synchronization`, which also all-reduces one flag: whether any rank's
+gradients were not finite. Each rank's reduce-scatter brings it only its own rows, so an fp16
+overflow on one rank would reach only the owners of the rows it hit, and a ``GradScaler`` on the
+other ranks would step while theirs skip (and their scales part ways); with the flag, every
+rank's gradients are made non-finite and every rank skips the step, as with DDP's all-reduce
+(torch's ``ShardedGradScaler`` all-reduces its flag for the same reason). A step is
+``loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()``.
 
 Chapter 9: ZeRO stage 3 / FSDP from scratch.
 """
@@ -29,7 +36,6 @@ Chapter 9: ZeRO stage 3 / FSDP from scratch.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -38,7 +44,7 @@ from torch import nn
 from dpcourse.collectives.p2p import rank_and_size
 from dpcourse.collectives.ring import ring_all_reduce
 from dpcourse.collectives.tree import tree_broadcast
-from dpcourse.fsdp_layer import CommThread, ShardedLayer
+from dpcourse.fsdp_layer import CommThread, CommWork, ShardedLayer, used_here
 from dpcourse.memory import tensors_in
 
 __all__ = ["FSDP"]
@@ -91,11 +97,13 @@ class FSDP(nn.Module):
                   if any(id(p) not in sharded for p in m.parameters(recurse=False))}
         self.layers = [ShardedLayer.shard(n, modules[n], self.rank, self.world_size,
                                           compute_dtype) for n in names]
-        self.comm = CommThread()
+        self.comm = CommThread(devices[0] if devices else None)
         self._order: list[ShardedLayer] = []  # forward order, recorded by the first forward
         self._recorded = False
-        self._pending: list[Future] = []  # reduce-scatters submitted in this backward
+        self._pending: list[CommWork] = []  # reduce-scatters submitted in this backward
         self._needs_sync = False
+        # any rank's gradients not finite (an fp16 overflow): on the device, no host sync
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=devices[0] if devices else None)
         for layer in self.layers:
             layer.module.register_forward_pre_hook(self._pre_forward(layer))
             layer.module.register_forward_hook(self._post_forward(layer))
@@ -121,7 +129,7 @@ class FSDP(nn.Module):
             if not self._recorded:
                 self._order.append(layer)
             self._gather(layer)
-            layer.gather.result()  # this layer's parameters are here
+            layer.gather.wait()  # this layer's parameters are here (on a GPU: will be)
             if self.prefetch and (nxt := self._neighbour(layer, +1)) is not None:
                 self._gather(nxt)  # on the wire while this layer computes
             layer.use_full(True)
@@ -141,7 +149,7 @@ class FSDP(nn.Module):
         if layer.reduced:
             return
         self._gather(layer)
-        layer.gather.result()
+        layer.gather.wait()
         if self.prefetch and (prev := self._neighbour(layer, -1)) is not None:
             if not prev.reduced:
                 self._gather(prev)
@@ -157,7 +165,10 @@ class FSDP(nn.Module):
 
     def _reduce(self, layer: ShardedLayer) -> None:
         layer.reduced = True
-        self._pending.append(self.comm.submit(layer.reduce_scatter, layer.pack_grads()))
+        flat = layer.pack_grads()
+        self._nonfinite |= ~torch.isfinite(flat).all()
+        self._pending.append(self.comm.submit(layer.reduce_scatter, flat,
+                                              stream="reduce-scatter"))
 
     # ------------------------------------------------------------------------- the step
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -178,20 +189,33 @@ class FSDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Wait for every reduce-scatter; reduce-scatter the layers whose gradients did not all
         arrive (a missing gradient counts as zero) and all-reduce the replicated parameters'
-        gradients (averaged). Afterwards every shard's ``.grad`` is its rows of the average."""
+        gradients (averaged). Afterwards every shard's ``.grad`` is its rows of the average; if
+        any rank's gradients were not finite, every rank's are (a NaN in each), so that a
+        ``GradScaler`` skips the step on every rank."""
         for layer in self.layers:
             if not layer.reduced and layer.trainable():
                 self._reduce(layer)
         if self.replicated:
             self._pending.append(self.comm.submit(_all_reduce_grads, self.replicated,
-                                                  self.world_size))
-        for future in self._pending:
-            future.result()
+                                                  self.world_size, stream="reduce-scatter"))
+        nonfinite = self._nonfinite.float().reshape(1)  # 1: this rank's gradients overflowed
+        if self.world_size > 1:
+            self._pending.append(self.comm.submit(ring_all_reduce, nonfinite, "max", False,
+                                                  stream="reduce-scatter"))
+        for work in self._pending:
+            work.wait()
         self._pending.clear()
+        self._nonfinite.zero_()
         for layer in self.layers:
             if layer.gather is not None:
-                layer.gather.result()
+                layer.gather.wait()
             layer.free()
+        grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel()]
+        # they were made on the reduce-scatter stream; the optimizer uses them here
+        used_here(grads)
+        overflow = nonfinite.bool()
+        for g in grads:  # a tensor op, not `if overflow:`, which would wait for the GPU
+            g.view(-1)[:1].masked_fill_(overflow, float("nan"))
         self._needs_sync = False
 
     # --------------------------------------------------------------------- whole weights
@@ -204,7 +228,7 @@ class FSDP(nn.Module):
         for layer in self.layers:
             whole = [torch.empty(f.shape, dtype=torch.float32, device=f.device)
                      for f in layer.full]
-            self.comm.submit(layer.all_gather, whole).result()
+            self.comm.submit(layer.all_gather, whole).wait()
             for name, tensor in zip(layer.param_names, whole, strict=True):
                 state[f"{layer.name}.{name}"] = tensor
         return state

@@ -19,7 +19,12 @@
   is the sum of its rows' gradients, which it divides by N and adds to its shards' ``.grad``.
 
 :class:`CommThread` runs the collectives on one thread, in the order they are submitted: the same
-on every rank, as a CUDA stream would run them. The layer's compute goes on meanwhile.
+on every rank, as a CUDA stream would run them. The layer's compute goes on meanwhile. On a GPU
+the thread works on the rank's device and queues its work on streams of its own, one for the
+all-gathers and one for the reduce-scatters, as FSDP2 does: a collective waits (on its stream) for
+the compute that made its inputs, and the compute that uses its result waits (on the compute
+stream) for the collective, through CUDA events, so that the GPU runs the two side by side. Its
+:class:`CommWork` is waited on like torch's ``Work``.
 
 Chapter 9: fully sharded data parallelism, one layer.
 """
@@ -37,8 +42,12 @@ from torch import nn
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.collectives.p2p import active_counters, counted_like
 from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
+from dpcourse.memory import tensors_in
 
-__all__ = ["CommThread", "ShardedLayer", "shard_rows", "gather_chunk_numels"]
+__all__ = ["CommThread", "CommWork", "ShardedLayer", "shard_rows", "gather_chunk_numels",
+           "STREAMS"]
+
+STREAMS = ("all-gather", "reduce-scatter")  # the communication thread's streams on a GPU
 
 
 def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
@@ -62,27 +71,103 @@ def gather_chunk_numels(shapes: list[tuple[int, ...]], world_size: int) -> list[
     return sizes
 
 
+class CommWork:
+    """A collective submitted to a :class:`CommThread`; like torch.distributed's ``Work``,
+    :meth:`wait` returns once its result may be used by the caller."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        """True once the communication thread has run (on a GPU: queued) the collective."""
+        return self._future.done()
+
+    def wait(self) -> Any:
+        """The collective's result. On the CPU it has finished. On a GPU the thread has queued
+        it on its stream, and the caller's current stream now waits for it (an event), as
+        ``work.wait()`` makes it wait for an NCCL collective: work queued after this call on
+        that stream runs once the collective is done, and the host does not block on the GPU."""
+        result, done = self._future.result()
+        if done is not None:
+            torch.cuda.current_stream(done.device).wait_event(done.event)
+        return result
+
+
+@dataclass(frozen=True)
+class _Done:
+    event: torch.cuda.Event
+    device: torch.device
+
+
 class CommThread:
     """One thread that runs the collectives of a rank, one at a time, in the order they were
     submitted: the FSDP hooks submit the same collectives in the same order on every rank, so
     the ranks' rings match, while the main thread goes on computing (the overlap that FSDP's
     prefetch buys). The caller's :func:`~dpcourse.collectives.count_traffic` sees the messages.
+
+    ``device``: where the tensors are. On a GPU (FSDP2's design, in our words):
+
+    * the thread makes ``device`` its current device, which is per thread: left at ``cuda:0``,
+      rank 1's collectives would run on another rank's GPU, and NCCL can hang;
+    * each collective runs on one of the thread's streams (:data:`STREAMS`), never on the
+      compute stream, where ``work.wait()`` would queue it behind (and ahead of) the matmuls;
+    * before it starts, its stream waits for an event recorded on the caller's stream when it
+      was submitted (its inputs were computed there); :meth:`CommWork.wait` makes the caller's
+      stream wait for an event recorded after it;
+    * a tensor made on one stream and used on another is marked with ``record_stream``, so that
+      the caching allocator does not give its memory away before the other stream is done.
     """
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcourse-comm")
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device if device is not None else "cpu")
+        self.streams: dict[str, torch.cuda.Stream] = {}
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.streams = {kind: torch.cuda.Stream(self.device) for kind in STREAMS}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcourse-comm",
+                                        initializer=self._enter)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def _enter(self) -> None:
+        if self.streams:  # the current device is per thread; the thread starts on cuda:0
+            torch.cuda.set_device(self.device)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, stream: str = "all-gather") -> CommWork:
+        """Run ``fn(*args)`` on the thread (on a GPU, on the stream named ``stream``)."""
         counters = active_counters()
+        side = self.streams.get(stream) if self.streams else None
+        if self.streams and side is None:
+            raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+        ready = None
+        if side is not None:
+            caller = torch.cuda.current_stream(self.device)
+            ready = caller.record_event()  # the inputs are made (queued) up to here
+            for t in tensors_in(args):
+                if t.is_cuda:
+                    t.record_stream(side)
 
-        def run() -> Any:
+        def run() -> tuple[Any, _Done | None]:
             with counted_like(counters):
-                return fn(*args)
+                if side is None:
+                    return fn(*args), None
+                with torch.cuda.stream(side):
+                    side.wait_event(ready)
+                    result = fn(*args)
+                    return result, _Done(side.record_event(), self.device)
 
-        return self._pool.submit(run)
+        return CommWork(self._pool.submit(run))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def used_here(tensors: list[torch.Tensor]) -> None:
+    """Mark CUDA tensors that a communication stream made as used by the current stream too,
+    before the caller uses (or frees) them there: their memory is then not reused until the work
+    queued here so far has run. Nothing on the CPU."""
+    for t in tensors:
+        if t.is_cuda and t.untyped_storage().nbytes():
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -104,7 +189,7 @@ class ShardedLayer:
     shards: list[nn.Parameter] = field(default_factory=list)
     full: list[nn.Parameter] = field(default_factory=list)
     bounds: list[list[tuple[int, int]]] = field(default_factory=list)  # per param, per rank
-    gather: Future | None = None  # the all-gather in flight or done; None: not gathered
+    gather: CommWork | None = None  # the all-gather in flight or done; None: not gathered
     arrived: int = 0  # gradients of trainable parameters arrived in this backward
     reduced: bool = False  # this backward's reduce-scatter was submitted
 
@@ -208,7 +293,7 @@ class ShardedLayer:
                                   .reshape(-1).float())
         for full in self.full:
             full.grad = None
-        return torch.cat(pieces) if pieces else torch.zeros(0)
+        return torch.cat(pieces) if pieces else torch.zeros(0, device=self.full[0].device)
 
     def use_full(self, on: bool) -> None:
         """Put the full parameters (``on``) or the shards back in the module."""
@@ -218,6 +303,7 @@ class ShardedLayer:
 
     def free(self) -> None:
         """Give the full parameters' memory back (their tensor objects stay for autograd)."""
+        used_here([full.data for full in self.full])  # gathered on a side stream, used here
         for full in self.full:
             full.untyped_storage().resize_(0)
         self.gather = None

@@ -204,12 +204,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             finite &= torch.isfinite(flat_grad).all()
             flat_grads.append(flat_grad)
         chunks = [flat.tensor_split(self.world_size) for flat in flat_grads]
-        if self.world_size > 1 and not finite:
+        if self.world_size > 1:
             # A non-finite gradient on this rank would reach only the owner of its element:
             # make it reach every shard, so that every rank's GradScaler skips the same step.
+            # A tensor op, not `if not finite:`, which would wait for the GPU at every step.
             for cs in chunks:
                 for c in cs:
-                    c[:1] = float("nan")
+                    c[:1].masked_fill_(~finite, float("nan"))
         for g, cs in zip(self._groups, chunks, strict=True):
             if self.world_size > 1 and g.numel > 0:
                 ring_reduce_scatter_(cs, "sum", self.rank)

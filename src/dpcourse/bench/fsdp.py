@@ -263,14 +263,18 @@ def report(result: dict) -> None:
 def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
                      out: int = 1001) -> list[tuple[str, str, float, float]]:
     """Runs on every rank: record the second training step of the MLP under
-    :class:`dpcourse.fsdp.FSDP` (the first records the layers' order for prefetch). Returns
-    ``(layer, kind, start_s, end_s)`` per event, relative to the step's start, where kind is
-    "all-gather" and "reduce-scatter" (on the communication thread), "forward" and "backward"
-    (the layer's compute, from its parameters being there to its output or last gradient), and
-    "queued" (an instant: when the layer's all-gather was submitted)."""
+    :class:`dpcourse.fsdp.FSDP` (the first records the layers' order for prefetch), on the
+    rank's device. Returns ``(layer, kind, start_s, end_s)`` per event, relative to the step's
+    start, where kind is "all-gather" and "reduce-scatter" (on the communication thread),
+    "forward" and "backward" (the layer's compute, from its parameters being there to its
+    output or last gradient), and "queued" (an instant: when the layer's all-gather was
+    submitted). The times are read on a :class:`~dpcourse.timing.DeviceClock`: on a GPU they
+    are when the GPU ran the work (CUDA events on the compute stream and on the communication
+    thread's streams), not when the host queued it."""
     import torch.distributed as dist
 
     from dpcourse.fsdp import FSDP
+    from dpcourse.timing import DeviceClock
 
     rank, device = dist.get_rank(), runtime.device()
     fsdp = FSDP(zero_bench.make_mlp(width, out).to(device), prefetch=prefetch)
@@ -278,11 +282,11 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(batch, width, generator=g).to(device)
     y = torch.randn(batch, out, generator=g).to(device)
-    events: list[tuple[str, str, float, float]] = []
-    t0 = [0.0]
+    events: list = []  # (layer, kind, start stamp, end stamp)
+    clock = [DeviceClock(device)]
 
-    def now() -> float:
-        return time.perf_counter() - t0[0]
+    def now():
+        return clock[0].stamp()  # on the calling thread's current stream
 
     def timed(layer, kind, method):
         def run(*args):
@@ -295,14 +299,15 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
 
     def queued(layer) -> None:  # when a layer's all-gather is submitted (a prefetch: early)
         if layer.gather is None:
-            events.append((layer.name, "queued", now(), now()))
+            at = now()
+            events.append((layer.name, "queued", at, at))
         submit_gather(layer)
 
     fsdp._gather = queued
     for layer in fsdp.layers:
         layer.all_gather = timed(layer, "all-gather", layer.all_gather)
         layer.reduce_scatter = timed(layer, "reduce-scatter", layer.reduce_scatter)
-        began: dict[str, float] = {}
+        began: dict = {}
 
         def forward_started(module, args, layer=layer, began=began):
             began["forward"] = now()
@@ -320,18 +325,20 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
         for i in layer.trainable():
             layer.full[i].register_post_accumulate_grad_hook(gradient_done)
     for _ in range(2):
-        runtime.synchronize(device)
         dist.barrier()
         events.clear()
-        t0[0] = time.perf_counter()
+        clock[0] = DeviceClock(device)  # waits for the device: the step starts on an idle one
         opt.zero_grad()
         nn.functional.mse_loss(fsdp(x), y).backward()
         fsdp.finish_gradient_synchronization()
-        runtime.synchronize(device)  # on a GPU the times are the host's, when the hooks ran
-        events.append(("step", "finished", now(), now()))
+        at = now()
+        events.append(("step", "finished", at, at))
         opt.step()
+        runtime.synchronize(device)
     fsdp.close()
-    return sorted(events, key=lambda e: e[2])
+    seconds = clock[0].seconds
+    return sorted(((name, kind, seconds(a), seconds(b)) for name, kind, a, b in events),
+                  key=lambda e: e[2])
 
 
 def memory_by_stage_on_rank(width: int = 1024, out: int = 1001,
