@@ -450,6 +450,23 @@ def test_a_training_step_does_not_wait_for_the_device():
     assert run_ranks(_host_syncs_on_rank, 2, timeout=120) == [[], []]
 
 
+def test_stream_overlap_sums_what_each_stream_ran_beside_compute():
+    from dpcourse.bench.fsdp_streams import stream_overlap
+    from dpcourse.viz_zero import plot_stream_trace
+
+    trace = {"events": [("compute", "matmul", "gemm", 0.0, 2.0),
+                        ("compute", "other kernel", "add", 1.0, 3.0),  # merged: busy 0-3
+                        ("all-gather", "copy", "Memcpy HtoD", 2.5, 4.0),  # 0.5 beside compute
+                        ("reduce-scatter", "other kernel", "add", 5.0, 6.0)]}  # none
+    got = stream_overlap(trace)
+    assert got == {"compute busy": 3.0, "all-gather busy": 1.5, "reduce-scatter busy": 1.0,
+                   "step": 6.0, "all-gather beside compute": 0.5,
+                   "reduce-scatter beside compute": 0.0}
+    fig = plot_stream_trace(trace, "synthetic")
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
+        "compute stream", "all-gather stream", "reduce-scatter stream"]
+
+
 # ----------------------------------------------------------------------- checkpoints
 def _resume_on_rank(directory: str) -> bool:
     """5 steps, a sharded checkpoint (each rank its shards of the model and of AdamW's state),

@@ -104,3 +104,26 @@ def plot_fsdp_timeline(timelines: Mapping[str, Sequence[tuple[str, str, float, f
     axes[-1, 0].set_xlabel("time since the step began (ms)")
     fig.suptitle(title, fontsize=9)
     return fig
+
+
+_GPU_COLOURS = {"matmul": "tab:blue", "copy": "tab:orange", "other kernel": "tab:gray"}
+
+
+def plot_stream_trace(trace: dict, title: str) -> Figure:
+    """The GPU's work during one FSDP step, a row per CUDA stream (the compute stream, then the
+    communication thread's all-gather and reduce-scatter streams), each kernel or copy a bar
+    coloured by kind, from :func:`~dpcourse.bench.fsdp.stream_trace_on_rank`. Chapter 9."""
+    rows = list(dict.fromkeys(["compute", "all-gather", "reduce-scatter",
+                               *(e[0] for e in trace["events"])]))
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(rows)), layout="constrained")
+    seen = set()
+    for row, kind, _, start, end in trace["events"]:
+        ax.barh(rows.index(row), max(end - start, 2e-6) * 1e3, left=start * 1e3, height=0.6,
+                color=_GPU_COLOURS.get(kind, "tab:gray"), label=None if kind in seen else kind)
+        seen.add(kind)
+    ax.set_yticks(range(len(rows)), [f"{r} stream" for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the step's first GPU work (ms)")
+    ax.legend(fontsize=7, loc="lower right", ncol=3)
+    ax.set_title(title, fontsize=9, loc="left")
+    return fig

@@ -32,7 +32,7 @@ from dpcourse import runtime
 from dpcourse.bench import zero as zero_bench
 
 __all__ = ["fully_shard_placement", "record_collectives", "fsdp_step_events", "make_variant",
-           "time_on_rank"]
+           "time_on_rank", "timeline_on_rank", "memory_by_stage_on_rank"]
 
 HELP = "FSDP (ZeRO-3) step time: ours with and without prefetch vs torch's fully_shard"
 VARIANTS = ("fully_shard", "FSDP", "FSDP no prefetch")
