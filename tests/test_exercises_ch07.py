@@ -338,6 +338,27 @@ class Blocking(MyBucketedDDP):
         self.next_to_launch = k + 1
 
 
+class WaitsInLaunch(MyBucketedDDP):
+    """Launches asynchronously but waits at once, inside the hook: no overlap left."""
+
+    def launch(self, k):
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.buckets[k]]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
+        work = dist.all_reduce(flat, async_op=True)
+        work.wait()
+        self.pending.append((k, flat, work))
+        self.next_to_launch = k + 1
+
+
+class WaitsForThePreviousBucket(MyBucketedDDP):
+    """Waits for bucket k - 1 in the hook before launching bucket k (one in flight at most)."""
+
+    def launch(self, k):
+        if self.pending:
+            self.pending[-1][2].wait()
+        super().launch(k)
+
+
 class Sums(MyBucketedDDP):
     def launch(self, k):
         grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.buckets[k]]
@@ -368,15 +389,26 @@ BUCKETED_DDP_WRONG = [
     (DividesEveryMicroStep, "divides the accumulated sum once"),
     (ZerosForUnused, "still sends what it accumulated"),
     (PerParameter, "one all-reduce per parameter"),
-    (Blocking, "without async_op=True inside backward"),
+    (Blocking, "without async_op=True inside backward (in launch)"),
+    (WaitsInLaunch, "bucket 0's all-reduce was waited on inside backward (in launch): waiting "
+                    "there blocks backward until the communication is done, so nothing overlaps"),
+    (WaitsForThePreviousBucket, "bucket 0's all-reduce was waited on inside backward (in "
+                                "launch)"),
     (Sums, "sum of the ranks' gradients, not their mean"),
     (NoWriteBack, "still this rank's own gradient"),
 ]
 
 
 def test_bucketed_ddp_check_passes_the_solution_and_the_package(short_timeouts, pools):
-    assert run_check("ex-7-bucketed-ddp", my_bucketed_ddp).passed
-    assert run_check("ex-7-bucketed-ddp", PackageDDP).passed
+    """The notebook's solution, and the package's DDP, which waits in a callback it queues on
+    the autograd engine (as torch's DDP does): after the gradients, so not a wait in backward.
+    The message says what was compared, and that a None gradient counts as zeros."""
+    result = run_check("ex-7-bucketed-ddp", my_bucketed_ddp)
+    assert result.passed, result.message
+    assert "every trainable parameter's .grad equals" in result.message
+    assert "a None counting as zeros" in result.message
+    result = run_check("ex-7-bucketed-ddp", PackageDDP)
+    assert result.passed, result.message
 
 
 @pytest.mark.parametrize(
@@ -413,7 +445,7 @@ def test_bucketed_ddp_check_names_a_rank_that_skipped_the_last_bucket():
     launches = ch07._Launches(None, [["b.weight"], ["extra.bias", "extra.weight"]], [65, 182],
                               {"b.weight": 65, "extra.bias": 13, "extra.weight": 169}, None)
     launches.step = 0  # `extra` used on rank 0 only
-    rows = [[launches.CALL, 0, 1, 182, 0, 0, 0], [launches.END, 0, 1, 0, 0, 1, 0]]
+    rows = [[launches.CALL, 0, 1, 182, 0, 0, 0, 0], [launches.END, 0, 1, 0, 0, 1, 0, 0]]
     message = launches._verdict(rows)
     assert "rank 1 ended the step after 1 all-reduce(s), while rank 0 launched another" in message
     assert "`extra` got no gradient on rank 1" in message

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dpcourse.exercises.core import Mismatch, call_learner, exercise, run_learner_on_ranks
+from dpcourse.exercises.waits import BackwardWatch, is_blocking
 
 RANK_TIMEOUT = 30.0  # seconds for one world size; a deadlock ends here
 
@@ -348,16 +349,16 @@ def _ddp_batch(rank: int, step: int, micro: int, device: torch.device):
 
 
 def _run_step(model: Callable, rank: int, step: int, device: torch.device,
-              no_sync: Callable, before: Callable = lambda inside: None) -> None:
+              no_sync: Callable, before: Callable = lambda inside, loss: None) -> None:
     """The micro-batches of ``DDP_STEPS[step]``, forward and backward, those marked so inside
-    ``no_sync()``; ``before(inside_no_sync)`` runs before each backward."""
+    ``no_sync()``; ``before(inside_no_sync, loss)`` runs before each backward."""
     import torch.nn.functional as F
 
     for k, (inside, users) in enumerate(DDP_STEPS[step]):
         x, y = _ddp_batch(rank, step, k, device)
         with no_sync() if inside else contextlib.nullcontext():
             loss = F.mse_loss(model(x, _uses_extra(users, rank)), y)
-            before(inside)
+            before(inside, loss)
             loss.backward()
 
 
@@ -397,7 +398,9 @@ class _Launches:
     all-reduce, every rank tells the others (an all_gather over a gloo group of the check's
     own) what it is about to launch; at the end of a step, how many it launched. If the ranks
     disagree, or launch something other than the next bucket, every rank raises
-    :class:`_Stop` at that point, before a real all-reduce could pair mismatched tensors."""
+    :class:`_Stop` at that point, before a real all-reduce could pair mismatched tensors. A wait
+    for an all-reduce while backward runs (``backward``, :mod:`~dpcourse.exercises.waits`) is
+    told at the next agreement, the all-reduce after it or the end of the step."""
 
     CALL, END = 0, 1
 
@@ -407,21 +410,32 @@ class _Launches:
         self.param_numels = param_numels
         self.step, self.inside_no_sync, self.in_backward = -1, False, False
         self.count, self.count_in_backward = 0, 0
+        self.backward = BackwardWatch()
         self.problem: str | None = None
 
     def all_reduce(self, tensor, *args, **kwargs):
         if self.step < 0:  # outside the check's steps
             return self.real(tensor, *args, **kwargs)
-        blocking = not kwargs.get("async_op", len(args) >= 3 and args[2])
-        self._agree([self.CALL, self.step, self.count, tensor.numel(),
-                     int(self.inside_no_sync), int(self.in_backward), int(blocking)])
+        index, what = self.count, f"bucket {self.count}'s all-reduce"
+        blocking = self.backward.running and is_blocking(self.real, (tensor, *args), kwargs)
+        if blocking:
+            self.backward.note(what, index, "blocking")
+        self._agree([self.CALL, self.step, index, tensor.numel(), int(self.inside_no_sync),
+                     int(self.in_backward), int(blocking), self._waited()])
         self.count += 1
         self.count_in_backward += int(self.in_backward)
-        return self.real(tensor, *args, **kwargs)
+        return self.backward.work(self.real(tensor, *args, **kwargs), what, index)
+
+    def _waited(self) -> int:
+        """1 + the index of the all-reduce this rank waited for while backward ran, or 0."""
+        first = self.backward.first
+        return first.tag + 1 if first is not None and first.how == "waited" else 0
 
     def end_of_step(self) -> None:
-        self._agree([self.END, self.step, self.count, 0, 0, self.count_in_backward, 0])
+        self._agree([self.END, self.step, self.count, 0, 0, self.count_in_backward, 0,
+                     self._waited()])
         self.count, self.count_in_backward = 0, 0
+        self.backward = BackwardWatch()
 
     def _agree(self, row: list[int]) -> None:
         import torch.distributed as dist
@@ -429,7 +443,13 @@ class _Launches:
         mine = torch.tensor(row, dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.side))]
         dist.all_gather(rows, mine, group=self.side)
-        self.problem = self._verdict([r.tolist() for r in rows])
+        rows = [r.tolist() for r in rows]
+        callers = None
+        if any(row[6] or row[7] for row in rows):  # the same on every rank: gather together
+            callers = [""] * len(rows)
+            first = self.backward.first
+            dist.all_gather_object(callers, first.caller if first else "", group=self.side)
+        self.problem = self._verdict(rows, callers)
         if self.problem:
             raise _Stop(self.problem)
 
@@ -452,19 +472,29 @@ class _Launches:
                 "accumulated), or the ranks pair different all-reduces or wait for each other "
                 "forever.")
 
-    def _verdict(self, rows: list[list[int]]) -> str | None:
+    def _verdict(self, rows: list[list[int]], callers: list[str] | None = None) -> str | None:
+        """What is wrong, the same on every rank, from every rank's row: kind (CALL or END),
+        step, index, size, inside no_sync(), launched in backward (END: how many), blocking in
+        backward, 1 + the index of an all-reduce waited for in backward; ``callers``: the
+        function of each rank's first wait in backward."""
         step, due = self.step, len(self.numels)
-        for r, (kind, _, _, numel, inside, in_backward, blocking) in enumerate(rows):
+        for r, (kind, _, _, numel, inside, _, blocking, waited) in enumerate(rows):
+            caller = f" (in {callers[r]})" if callers and callers[r].isidentifier() else ""
             if kind == self.CALL and inside:
                 return (f"step {step}: rank {r} launched an all-reduce ({numel} values) in a "
                         "backward inside no_sync(). Inside no_sync() gradients only accumulate "
                         "locally: the hook must return at once, and the next backward outside "
                         "no_sync() sends the accumulated sum")
-            if kind == self.CALL and in_backward and blocking:
-                return (f"step {step}: rank {r} called dist.all_reduce without async_op=True "
-                        f"inside backward ({self._bucket(numel)}): it holds backward up until "
-                        "the bucket has travelled. Launch it with async_op=True, keep the Work "
-                        "and wait for it in finish()")
+            if waited:
+                return (f"step {step}: on rank {r}, bucket {waited - 1}'s all-reduce was waited "
+                        f"on inside backward{caller}: waiting there blocks backward until the "
+                        "communication is done, so nothing overlaps; keep the Work handle and "
+                        "wait for it in finish(), once backward is over")
+            if kind == self.CALL and blocking:
+                return (f"step {step}: rank {r} called dist.all_reduce for {self._bucket(numel)} "
+                        f"without async_op=True inside backward{caller}: it holds backward up "
+                        "until the bucket has travelled, so nothing overlaps. Launch it with "
+                        "async_op=True, keep the Work and wait for it in finish()")
         what = [row[:4] for row in rows]  # kind, step, index, size: what each rank launched
         if any(w != what[0] for w in what):
             ends = [r for r, row in enumerate(rows) if row[0] == self.END]
@@ -600,8 +630,9 @@ def _ddp_case(fn: Callable, cap: int, side) -> str | None:
     learner = fn(model, cap)
     optimizer = torch.optim.SGD(model.parameters(), lr=DDP_LR)
 
-    def before(inside: bool) -> None:
+    def before(inside: bool, loss: torch.Tensor) -> None:
         launches.inside_no_sync, launches.in_backward = inside, True
+        launches.backward.begin(loss)
 
     dist.all_reduce = launches.all_reduce
     try:
@@ -611,6 +642,7 @@ def _ddp_case(fn: Callable, cap: int, side) -> str | None:
             try:
                 _run_step(model, rank, step, device, learner.no_sync, before)
                 launches.inside_no_sync, launches.in_backward = False, False
+                launches.backward.end()
                 learner.finish()
                 launches.end_of_step()
             except Exception:
@@ -654,16 +686,25 @@ def bucketed_ddp(fn: Callable) -> str:
     means back). Compared, gradient by gradient after each step, with torch's
     ``DistributedDataParallel(find_unused_parameters=True)`` on 2 and 3 ranks: 5 steps of a
     model whose middle layer some ranks skip, with and without ``no_sync()``, at two bucket
-    caps (tolerance: rtol 1e-5, atol 1e-6 on the CPU; 1e-4 and 1e-5 on a GPU). Every
+    caps (tolerance: rtol 1e-5, atol 1e-6 on the CPU; 1e-4 and 1e-5 on a GPU). Every trainable
+    parameter's ``.grad`` is compared, a None on either side counting as zeros (torch's DDP
+    leaves a layer that no rank used without one); the frozen one must keep none. Every
     all-reduce is checked before it is launched: one per bucket, in bucket order, the same on
     every rank, none inside ``no_sync()``, and in a step where every parameter is used, every
-    bucket launched while backward runs."""
+    bucket launched while backward runs; none waited for (``wait()``, or no
+    ``async_op=True``) before backward is over, which would leave nothing to overlap."""
     for world in (2, 3):
         problems = run_learner_on_ranks(_bucketed_ddp_on_rank, world, fn, timeout=RANK_TIMEOUT)
         problem = next((p for p in problems if p), None)
         if problem:
             raise Mismatch(problem)
     return (
-        "one asynchronous all-reduce per bucket, in order and during backward, unused "
-        "parameters and no_sync() handled: the same gradients as torch's DDP on 2 and 3 ranks"
+        "one asynchronous all-reduce per bucket, in bucket order, launched during backward and "
+        "waited for only after it, unused parameters and no_sync() handled. After each of "
+        f"{len(DDP_STEPS)} steps, on 2 and 3 ranks at bucket caps of "
+        f"{' and '.join(map(str, DDP_CAPS))} bytes, every trainable parameter's .grad equals "
+        "torch's DistributedDataParallel(find_unused_parameters=True)'s within rtol 1e-5, atol "
+        "1e-6 (1e-4 and 1e-5 on a GPU), a None counting as zeros (torch's DDP leaves `extra` "
+        "without a gradient in the step no rank uses it, yours may send zeros), and the frozen "
+        "c.bias has none"
     )

@@ -201,12 +201,17 @@ PACKAGE_COLLECTIVES = {"ring_reduce_scatter": True, "ring_all_reduce": False,
 
 class _BackwardLog:
     """What happened while the learner's hooks ran: every collective called (with how many
-    gradients were ready and whether backward was running), and the full gradients held."""
+    gradients were ready and whether backward was running), the full gradients held, and the
+    first wait for a collective made before backward was over (``watch``)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
+        from dpcourse.exercises.waits import BackwardWatch
+
         self.params = params
         self.ready = 0  # gradients accumulated so far in this backward
+        self.current = -1  # the parameter whose hooks run now
         self.in_backward = False
+        self.watch = BackwardWatch()
         self.calls: list[tuple[str, bool, bool, int]] = []  # (name, is RS, in backward, ready)
         self.held_at_last = 0  # full gradients held when the last one was computed
         # Registered before the learner's hooks, so each runs just before the learner's own.
@@ -214,14 +219,21 @@ class _BackwardLog:
             p.register_post_accumulate_grad_hook(self._accumulated)
 
     def _accumulated(self, param: torch.Tensor) -> None:
+        self.current = next(i for i, p in enumerate(self.params) if p is param)
         self.ready += 1
         if self.ready == len(self.params):
             self.held_at_last = sum(p.grad is not None for p in self.params)
 
     def _recording(self, name: str, is_reduce_scatter: bool, real: Callable) -> Callable:
+        from dpcourse.exercises.waits import is_blocking
+
         def collective(*args, **kwargs):
             self.calls.append((name, is_reduce_scatter, self.in_backward, self.ready))
-            return real(*args, **kwargs)
+            what, tag = f"parameter {self.current}'s {name}", self.current
+            if self.watch.running and is_blocking(real, args, kwargs):
+                how = "blocking" if name.startswith("dist.") else "synchronous"
+                self.watch.note(what, tag, how)
+            return self.watch.work(real(*args, **kwargs), what, tag)
 
         return collective
 
@@ -284,10 +296,12 @@ def _zero2_on_rank(fn: Callable) -> list[str]:
             raise Mismatch(f"my_zero2_hooks should return a function finish(), got {finish!r}")
         loss = loss_fn(model(x), y)
         log.in_backward = True
+        log.watch.begin(loss)
         try:
             loss.backward()
         finally:
             log.in_backward = False
+            log.watch.end()
         shards = finish()
     problem = _zero2_problem(log, params, shards, summed, rank, world, shard_bounds)
     return [problem] if problem else []
@@ -300,7 +314,7 @@ def _zero2_problem(log, params, shards, summed, rank, world, shard_bounds) -> st
         return (f"{where}: you called {', '.join(others)}. Each rank needs only its shard of the "
                 "averaged gradient: a reduce-scatter sends (N-1)/N of the gradient per rank, an "
                 "all-reduce twice that, for a whole gradient the rank then throws away. Call "
-                "dist.reduce_scatter_tensor (or collectives.ring_reduce_scatter) only.")
+                "dist.reduce_scatter_tensor only.")
     scatters = [(during, ready) for name, is_rs, during, ready in log.calls if is_rs]
     if not scatters:
         return (f"{where}: no reduce-scatter was called. Reduce-scatter each gradient with "
@@ -314,6 +328,10 @@ def _zero2_problem(log, params, shards, summed, rank, world, shard_bounds) -> st
         return (f"{where}: your reduce-scatters started only once all {len(params)} gradients "
                 "were ready: the full gradient existed whole, as at stage 1. Start each "
                 "parameter's reduce-scatter from its own post-accumulate-grad hook.")
+    if log.watch.first:
+        return f"{where}: " + log.watch.first.message(
+            "launch dist.reduce_scatter_tensor(output, input, async_op=True) in the hook, keep "
+            "its handle and wait for it in finish(), once backward has returned.")
     if not isinstance(shards, list | tuple) or len(shards) != len(params):
         return (f"{where}: finish() should return a list of {len(params)} shards, one per "
                 f"parameter in the order given, got {type(shards).__name__}"
@@ -373,15 +391,16 @@ def zero2_hooks(fn: Callable) -> str:
     """``fn(params)`` registers hooks that reduce-scatter each parameter's gradient as soon as
     backward has computed it, keep this rank's shard (``shard_bounds``) of the average and free
     the full gradient; it returns ``finish()``, which waits and returns the shards. Checked on 2
-    and 3 ranks; rejects an all-reduce, reduce-scatters after backward, a sum and a kept
-    ``p.grad``."""
+    and 3 ranks; rejects an all-reduce, reduce-scatters after backward, a wait for one before
+    backward is over (``wait()`` in a hook, a call without ``async_op=True``, chapter 6's
+    synchronous ring), a sum and a kept ``p.grad``."""
     for world in (2, 3):
         results = run_learner_on_ranks(_zero2_on_rank, world, fn, timeout=RANK_TIMEOUT)
         problems = [p for r in results for p in r]
         if problems:
             raise Mismatch(problems[0])
-    return ("each gradient reduce-scattered during backward, the full gradient freed, and the "
-            "averaged shards right on 2 and 3 ranks")
+    return ("each gradient reduce-scattered during backward and waited for after it, the full "
+            "gradient freed, and the averaged shards right on 2 and 3 ranks")
 
 
 # --------------------------------------------------------------------------- FSDP (stage 3)
