@@ -301,3 +301,17 @@ def test_compute_bound_tokens_across_nodes():
     # only the bottleneck link. Ours asks 2.56x the tokens on 2 nodes, 1.77x on 64.
     assert 2.5 < two_level(2) / 1237 < 2.6  # 3,161
     assert 1.7 < two_level(64) / 2475 < 1.8  # 4,378
+
+    # The flat ring run as 8 rings, one per card (scaling.flat_all_reduce_time, chapter 10's
+    # section 10.2) crosses between nodes at the node's 400 GB/s, the book's W: without latency,
+    # on a large ring, it asks the book's figure (less 989/990); on 64 nodes its 2(N-1) latencies
+    # of 5 us over all 512 GPUs add 6 % (2,626). One ring through one card, the course's
+    # pessimistic bound, asks 8 times as many.
+    assert scaling.cross_node_link(8).beta == 400e9
+    free = scaling.Link("InfiniBand NDR without latency", 0.0, ib.beta, "test")
+    large = hidden_tokens(scaling.flat_all_reduce_time(GRAD, 8 * 10**5, inter=free), PARAMS)
+    assert math.isclose(large, 989e12 / 400e9, rel_tol=1e-5)
+    flat64 = hidden_tokens(scaling.flat_all_reduce_time(GRAD, 512), PARAMS)
+    assert 1.05 < flat64 / 2475 < 1.07  # 2,626
+    one_card = hidden_tokens(scaling.flat_all_reduce_time(GRAD, 512, rings=1), PARAMS)
+    assert 8.0 < one_card / 2475 < 8.1  # 19,899 (7.6 times the 8 rings: the same latency)

@@ -131,12 +131,41 @@ def test_hierarchical_all_reduce_reduces_to_flat_rings_at_the_extremes():
         t = scaling.hierarchical_all_reduce_time(GRAD, n, 1, intra, inter)
         flat = costmodel.all_reduce_time("ring", n, GRAD, inter.alpha, inter.beta)
         assert t == pytest.approx(flat)
-    # across nodes it beats a flat ring at the slowest link's speed, by about g
+    # across nodes it beats one flat ring through one card (the pessimistic bound) by about g,
+    # but not a ring per card, which puts 1/g of the data on each card too: the model runs
+    # the two-level all-reduce's NVLink phases after the cross-node one, not beside it
     flat = costmodel.all_reduce_time("ring", 64, GRAD, inter.alpha, inter.beta)
     two_level = scaling.hierarchical_all_reduce_time(GRAD, 64, 8, intra, inter)
     assert flat / 8 < two_level < flat / 4
+    assert scaling.flat_all_reduce_time(GRAD, 64, rings=1) == pytest.approx(flat)
+    assert scaling.flat_all_reduce_time(GRAD, 64) < two_level
     with pytest.raises(ValueError, match="multiple"):
         scaling.hierarchical_all_reduce_time(GRAD, 12, 8)
+
+
+def test_flat_ring_across_nodes_runs_a_ring_per_card():
+    intra, inter = scaling.NVLINK4, scaling.IB_NDR
+    # 8 rings over 8 NDR cards: the node's 400 GB/s, under NVLink's 450; the latency once
+    link = scaling.cross_node_link(8)
+    assert (link.alpha, link.beta) == (inter.alpha, 400e9)
+    assert scaling.cross_node_link(1).beta == inter.beta  # one ring, one card: the bound
+    assert scaling.cross_node_link(16).beta == intra.beta  # NVLink caps what the cards add
+    assert scaling.cross_node_link(8, scaling.IB_HDR, scaling.NVLINK3).beta == 200e9
+    for n in (1, 2, 8):  # one node: NVLink whatever the rings
+        want = costmodel.all_reduce_time("ring", n, GRAD, intra.alpha, intra.beta, 3)
+        assert scaling.flat_all_reduce_time(GRAD, n, buckets=3, rings=1) == pytest.approx(want)
+    for n in (16, 64, 1024):
+        one = scaling.flat_all_reduce_time(GRAD, n, buckets=3, rings=1)
+        eight = scaling.flat_all_reduce_time(GRAD, n, buckets=3)  # default: a ring per GPU
+        latency = 3 * 2 * (n - 1) * inter.alpha
+        assert (one - latency) == pytest.approx(8 * (eight - latency))  # 1/8 of the bytes
+        assert eight == pytest.approx(
+            costmodel.all_reduce_time("ring", n, GRAD, link.alpha, link.beta, 3))
+    assert scaling.flat_all_reduce_time(GRAD, 16, 4) == pytest.approx(
+        costmodel.all_reduce_time("ring", 16, GRAD, inter.alpha, 4 * inter.beta))
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="rings"):
+            scaling.cross_node_link(bad)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)

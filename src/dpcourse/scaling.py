@@ -37,6 +37,8 @@ __all__ = [
     "compute_time",
     "gradient_bytes",
     "bucket_count",
+    "cross_node_link",
+    "flat_all_reduce_time",
     "hierarchical_all_reduce_time",
     "overlapped_step_time",
     "step_time",
@@ -153,6 +155,44 @@ def bucket_count(
 
 
 # ------------------------------------------------------------------------------ the model
+
+
+def cross_node_link(rings: int = 8, inter: Link = IB_NDR, intra: Link = NVLINK4) -> Link:
+    """The link a flat ring across nodes runs at when it is ``rings`` rings side by side, each
+    with 1/rings of the data and crossing between nodes through its own network card of
+    ``inter`` (NCCL's channels, one per card). A step waits for the slower of a card, which
+    carries 1/rings of a GPU's traffic, and NVLink (``intra``), which carries at most all of it:
+    beta = min(rings x inter.beta, intra.beta); the latency is the card's, paid once since the
+    rings run in parallel. 8 rings on H100 nodes: 400 GB/s, the node's 8 cards. ``rings=1``, one
+    ring through one card, is the pessimistic bound. Chapter 10."""
+    if not isinstance(rings, (int, np.integer)) or rings < 1:
+        raise ValueError(f"rings must be a positive integer, got {rings!r}")
+    card = inter.name.split(",")[0]
+    name = (f"{rings} rings across nodes, each through its own {card} card" if rings > 1
+            else f"one ring across nodes through one {card} card")
+    return Link(name, inter.alpha, min(rings * inter.beta, intra.beta),
+                f"{rings} x {inter.beta / 1e9:g} GB/s, at most NVLink's {intra.beta / 1e9:g}")
+
+
+def flat_all_reduce_time(
+    grad_bytes: float,
+    world_size: int,
+    gpus_per_node: int = 8,
+    intra: Link = NVLINK4,
+    inter: Link = IB_NDR,
+    buckets: int = 1,
+    rings: int | None = None,
+) -> float:
+    """Modelled flat ring all-reduce over ``world_size`` GPUs: within one node a ring on
+    ``intra``; across nodes ``rings`` rings side by side on :func:`cross_node_link`. By default
+    one ring per GPU of the node, each through that GPU's card (a DGX H100 has a card per GPU);
+    ``rings=1`` is the pessimistic bound of one ring through one card. Chapter 10."""
+    if world_size <= gpus_per_node:
+        link = intra
+    else:
+        link = cross_node_link(gpus_per_node if rings is None else rings, inter, intra)
+    return costmodel.all_reduce_time("ring", world_size, grad_bytes, link.alpha, link.beta,
+                                     buckets)
 
 
 def hierarchical_all_reduce_time(

@@ -11,7 +11,12 @@ ping-pong messages. Needs root (or CAP_NET_ADMIN).
 
 The emulated node has one network link that its ranks share (as a node with one NIC): the
 two-level all-reduce's rings across nodes run side by side over it, so the model gives each
-of them ``beta / ranks_per_node``. (A DGX-style node has a NIC per GPU, and each ring its own.)
+of them ``beta / ranks_per_node``, and the flat ring, one ring, goes through it whole. A
+DGX-style node has a NIC per GPU, and there both get k of them: each of the two-level rings its
+own, and the flat all-reduce k rings side by side with 1/k of the data each, one per NIC
+(NCCL's channels; :func:`dpcourse.scaling.flat_all_reduce_time`). There the two-level one saves
+latency (2(nodes-1) steps across nodes, not 2(N-1)) and sends (nodes-1)/nodes of its share
+through a NIC against the flat ring's (N-1)/N, not k times less.
 
 Chapter 10: the two-level all-reduce measured.
 """
