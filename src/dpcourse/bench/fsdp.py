@@ -304,10 +304,20 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
         submit_gather(layer)
 
     fsdp._gather = queued
+    began_by_layer: dict[str, dict] = {layer.name: {} for layer in fsdp.layers}
+    submit_reduce = fsdp._reduce
+
+    def backward_done(layer) -> None:  # its last gradient is here: before the reduce-scatter
+        began = began_by_layer[layer.name]
+        if "backward" in began:
+            events.append((layer.name, "backward", began.pop("backward"), now()))
+        submit_reduce(layer)
+
+    fsdp._reduce = backward_done
     for layer in fsdp.layers:
         layer.all_gather = timed(layer, "all-gather", layer.all_gather)
         layer.reduce_scatter = timed(layer, "reduce-scatter", layer.reduce_scatter)
-        began: dict = {}
+        began = began_by_layer[layer.name]
 
         def forward_started(module, args, layer=layer, began=began):
             began["forward"] = now()
@@ -316,14 +326,8 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
             events.append((layer.name, "forward", began["forward"], now()))
             output.register_hook(lambda grad: began.__setitem__("backward", now()))
 
-        def gradient_done(param, layer=layer, began=began):
-            if layer.arrived == len(layer.trainable()):  # FSDP's hook counted it already
-                events.append((layer.name, "backward", began["backward"], now()))
-
         layer.module.register_forward_pre_hook(forward_started)  # after FSDP's: gathered
         layer.module.register_forward_hook(forward_done)
-        for i in layer.trainable():
-            layer.full[i].register_post_accumulate_grad_hook(gradient_done)
     for _ in range(2):
         dist.barrier()
         events.clear()
