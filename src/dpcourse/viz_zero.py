@@ -124,6 +124,6 @@ def plot_stream_trace(trace: dict, title: str) -> Figure:
     ax.set_yticks(range(len(rows)), [f"{r} stream" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time since the step's first GPU work (ms)")
-    ax.legend(fontsize=7, loc="lower right", ncol=3)
+    fig.legend(fontsize=7, loc="outside lower center", ncol=3)  # off the bars
     ax.set_title(title, fontsize=9, loc="left")
     return fig
