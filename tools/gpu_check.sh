@@ -19,7 +19,8 @@
 #   unit-tests   only with GPU_UNIT=1 (after the notebooks) or GPU_UNIT=parallel (beside them where
 #                the GPU and the host have the memory, else after them): the unit tests but the
 #                gpu ones and the website's, on UNIT_JOBS workers (default 4)
-#   bench-allreduce, bench-ddp, bench-zero   the benchmarks, as JSON files with machine, date, command
+#   bench-allreduce, bench-ddp, bench-zero, bench-fsdp-streams   the benchmarks, as JSON files
+#                with machine, date, command (fsdp_streams: chapter 9's profiled step)
 # Results: benchmarks/<gpu-name>-<count>/ (GPU_CHECK_RESULTS to change it): the benchmarks' JSON
 # files, environment.txt, a log per step, notebook-reports/ (each failing notebook's tracebacks)
 # and summary.md / summary.json (per step: status, passed/failed counts from pytest's last line,
@@ -405,6 +406,8 @@ step bench-ddp "$BENCH_TIMEOUT" "${bench[@]}" ddp --world-size "$ranks" --repeat
   --json "$out/ddp.json"
 step bench-zero "$BENCH_TIMEOUT" "${bench[@]}" zero --world-sizes "$ranks" --repeats 10 \
   --json "$out/zero.json"
+step bench-fsdp-streams "$BENCH_TIMEOUT" "${bench[@]}" fsdp_streams --world-size "$ranks" \
+  --json "$out/fsdp_streams.json"
 publish
 
 failed=$(awk -F'\t' '$2 != "passed" { printf " %s (%s)", $1, $2 }' "$steps")
