@@ -11,7 +11,10 @@ beside all-reduce times, a bandwidth figure. The faults:
    global batch (:func:`reproduce_small_buckets`);
 4. a misread bandwidth: a measured all-reduce printed as a colleague's scripts print it,
    with the wrong quantity or the wrong unit (:func:`measure_all_reduce`,
-   :func:`colleague_reports`).
+   :func:`colleague_reports`), and the busbw a link allows (:func:`busbw_ceiling`).
+
+The tools that name such faults on NCCL as well (DETAIL checks, the flight recorder) are in
+:mod:`dpcourse.diagnosis_tools`.
 
 The lab's scenario (which rank, how long, which step) lives in the constants below, so that the
 notebook's cells do not give the answer away; the exercises name the cause with the keys of
@@ -33,7 +36,8 @@ __all__ = [
     "CAUSES", "LAB_WORLD_SIZE", "STRAGGLER_RANK", "STRAGGLER_DELAY_S", "SKIPPING_RANK",
     "SKIPPED_STEP", "HANG_TIMEOUT_S", "BANDWIDTH_WORLD_SIZE", "training_steps_on_rank",
     "RankTimes", "reproduce_straggler", "HangReport", "reproduce_hang", "BucketRun",
-    "reproduce_small_buckets", "AllReduceTiming", "measure_all_reduce", "colleague_reports",
+    "reproduce_small_buckets", "AllReduceTiming", "measure_all_reduce", "busbw_ceiling",
+    "colleague_reports",
 ]  # fmt: skip
 
 # The causes an exercise's answer is chosen from: the key, and what it means.
@@ -69,45 +73,56 @@ def training_steps_on_rank(
     skip_step: int = -1,
     width: int = 256,
     batch: int = 64,
+    device: torch.device | str = "cpu",
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, list[float]]:
     """Runs on every rank: ``steps`` SGD steps of a small MLP whose gradient is averaged by one
-    all-reduce of the flat gradient per step. Returns per-step seconds (after ``warmup``):
-    ``compute`` (forward and backward), ``wait`` (inside the all-reduce) and ``step``.
+    all-reduce of the flat gradient per step (over ``group``, the default group if None).
+    Returns per-step seconds (after ``warmup``): ``compute`` (forward and backward), ``wait``
+    (inside the all-reduce) and ``step``.
+
+    The clock is a :class:`dpcourse.timing.DeviceClock` on ``device``: the host's clock on the
+    CPU, where a gloo all-reduce returns when it is done; CUDA events on a GPU, where an NCCL
+    all-reduce returns once it is queued and the host's clock would time only the queuing (the
+    lab's section 5). The stamps are read after the last step, as a GPU's events must be.
 
     Faults: rank ``slow_rank`` sleeps ``delay_s`` after backward (a straggler); rank
     ``skip_rank`` skips the all-reduce and the update of step ``skip_step``."""
     from dpcourse.models import MLP
+    from dpcourse.timing import DeviceClock
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = MLP(width, width, width)
+    model = MLP(width, width, width).to(device)
     g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
-    times: dict[str, list[float]] = {"compute": [], "wait": [], "step": []}
+    x, y = (torch.randn(batch, width, generator=g).to(device) for _ in range(2))
+    clock, stamps = DeviceClock(device), []
     for step in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock.stamp()
         model.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         if rank == slow_rank:
             time.sleep(delay_s)
         if rank == skip_rank and step == skip_step:
             continue  # "the loss was not finite on this rank: skip the update"
-        t1 = time.perf_counter()
+        t1 = clock.stamp()
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        dist.all_reduce(flat)
-        t2 = time.perf_counter()
+        dist.all_reduce(flat, group=group)
+        t2 = clock.stamp()
         with torch.no_grad():  # SGD on the averaged gradient (torch.optim's first use is slow)
-            flat /= dist.get_world_size()
+            flat /= dist.get_world_size(group)
             torch.nn.utils.vector_to_parameters(
                 torch.nn.utils.parameters_to_vector(model.parameters()) - 1e-3 * flat,
                 model.parameters(),
             )
         if step >= warmup:
-            times["compute"].append(t1 - t0)
-            times["wait"].append(t2 - t1)
-            times["step"].append(time.perf_counter() - t0)
+            stamps.append((t0, t1, t2, clock.stamp()))
     print(f"finished {steps} steps")
-    return times
+    return {
+        "compute": [clock.elapsed(t0, t1) for t0, t1, _, _ in stamps],
+        "wait": [clock.elapsed(t1, t2) for _, t1, t2, _ in stamps],
+        "step": [clock.elapsed(t0, end) for t0, _, _, end in stamps],
+    }
 
 
 @dataclass
@@ -277,6 +292,18 @@ def measure_all_reduce(
     timing = commbench.time_all_reduce_on_rank
     medians = run_ranks(timing, world_size, [nbytes], ("library",), repeats, backend="gloo")
     return AllReduceTiming(nbytes, world_size, medians[0]["library"][0])
+
+
+def busbw_ceiling(link_rate: float, world_size: int, in_network: bool = False) -> float:
+    """The largest busbw (bytes per second) an all-reduce can report where each rank's link
+    carries ``link_rate`` each way. A ring or tree, where the ranks do the sums, sends at least
+    ``2(N-1)/N`` of the data through every rank's link, so its busbw cannot exceed the link's
+    rate. Where switches do the sums (``in_network``: NVLS in NVSwitch, SHARP in InfiniBand), a
+    rank sends its data once and receives the sum once, so the time can fall to
+    ``S / link_rate`` and busbw, still counted with the ring's factor, can reach
+    ``link_rate * 2(N-1)/N``. The lab's section 4 compares both with a reported figure."""
+    factor = 2 * (world_size - 1) / world_size
+    return link_rate * factor if in_network else link_rate
 
 
 def colleague_reports(t: AllReduceTiming) -> dict[str, str]:
