@@ -79,6 +79,18 @@ def test_timing_on_ranks_returns_a_median_per_implementation_and_size():
         assert all(0 < t < 10 for t in results[0][name])
 
 
+def test_cpu_per_call_gives_wall_and_cpu_times_of_every_repetition():
+    sizes, ways = [2**12, 2**16], ("library", "ring")
+    results = run_ranks(commbench.cpu_per_call_on_rank, 2, sizes, ways, 3)
+    assert results[0] == results[1]  # the largest over the ranks, agreed on by both
+    for way in ways:
+        assert [len(calls) for calls in results[0][way]] == [3, 3]
+        for wall, caller, others in (c for calls in results[0][way] for c in calls):
+            assert 0 < wall < 10 and 0 <= caller <= wall + 1e-3 and others >= 0
+    # the library's all-reduce runs on gloo's worker thread: its CPU shows as the others'
+    assert sum(others for calls in results[0]["library"] for _, _, others in calls) > 0
+
+
 def test_fit_link_recovers_latency_and_bandwidth_and_ignores_a_burst():
     alpha, beta = 1e-4, 125e6
     sizes = [2**12, 2**16, 2**20, 2**22, 2**24]

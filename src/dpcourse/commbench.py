@@ -4,7 +4,9 @@ Repetitions are interleaved (ring, tree, naive, library, ring, tree, ...) so tha
 machine's load hit every implementation alike; each repetition starts after a barrier and
 counts the slowest rank; the result is the median. Bus bandwidth follows nccl-tests:
 ``algbw = bytes / time`` and ``busbw = algbw * 2(N-1)/N``, which makes a bandwidth-optimal
-all-reduce score the link's bandwidth whatever N is.
+all-reduce score the link's bandwidth whatever N is. :func:`cpu_per_call_on_rank` adds the CPU
+time of the backend's threads per call: where cores are few, gloo's I/O thread polling for a busy
+connection is what stalls calls by a few milliseconds (chapter 6).
 
 :func:`measure_on_cluster` runs the same timing on an emulated cluster
 (:mod:`dpcourse.cluster`), with one link's latency and bandwidth fitted from ping-pong
@@ -29,6 +31,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "time_all_reduce_on_rank",
     "all_reduce_samples_on_rank",
+    "cpu_per_call_on_rank",
     "bus_bandwidth",
     "default_sizes",
     "quantile",
@@ -107,6 +110,43 @@ def all_reduce_samples_on_rank(
         for n in names:
             samples[n].append(times[n])
     return samples
+
+
+def cpu_per_call_on_rank(
+    sizes: list[int], names: tuple[str, ...] = ("library", "ring"), repeats: int = 100
+) -> dict[str, list[list[tuple[float, float, float]]]]:
+    """Run on every rank: ``result[name][i]`` lists, per repetition at ``sizes[i]`` bytes, the
+    largest over the ranks of (wall seconds, CPU seconds of the calling thread, CPU seconds of
+    the rank's other threads). The other threads are the backend's: on gloo, its I/O thread,
+    which reads every message, and its worker threads, which run the library's collectives.
+
+    Why CPU time: where a rank has fewer free cores than busy threads, a call is slow when one
+    of them waits for a core, and the CPU that the others burn meanwhile says which (chapter 6:
+    gloo's I/O thread polls while a send holds its connection)."""
+    device = runtime.device()
+    fns = {n: _implementation(n) for n in names}
+    result: dict[str, list[list[tuple[float, float, float]]]] = {n: [] for n in names}
+    for size in sizes:
+        x = torch.ones(size // 4, device=device)
+        for n in names:  # warm-up, as above
+            fns[n](x.clone())
+        rows: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+        for _ in range(repeats):
+            for n in names:
+                y = x.clone()
+                dist.barrier()
+                wall, caller, process = time.perf_counter(), time.thread_time(), time.process_time()
+                fns[n](y)
+                runtime.synchronize(device)
+                caller = time.thread_time() - caller
+                others = time.process_time() - process - caller
+                t = torch.tensor([time.perf_counter() - wall, caller, others],
+                                 dtype=torch.float64, device=device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                rows[n].append(tuple(t.tolist()))
+        for n in names:
+            result[n].append(rows[n])
+    return result
 
 
 def slowest_rank(seconds: float, device: torch.device) -> float:
