@@ -48,6 +48,7 @@ def test_every_toc_page_is_built_with_its_images(name):
             continue
         assert (HTML / name).parent.joinpath(src).resolve().exists(), f"{name}: missing image {src}"
     assert "Traceback (most recent call last)" not in text_of(html), f"{name} shows an error"
+    assert "CC BY 4.0" in text_of(html) and "MIT License" in text_of(html), f"{name}: footer"
 
 
 def test_index_opens_on_the_intro():

@@ -8,4 +8,6 @@ chapters add replication, averaging, collectives, DDP and ZeRO.
 Chapter 0: the package of the whole course.
 """
 
-__version__ = "0.1.0"
+# The one place the version is written: pyproject.toml reads it (setuptools' attr, without
+# importing the package), and CHANGELOG.md and CITATION.cff name it for each release.
+__version__ = "0.2.0"
