@@ -30,6 +30,8 @@ Chapter 8: mixed precision and gradient clipping in data-parallel training.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -43,6 +45,8 @@ __all__ = [
     "amp_dp_step",
     "clipping_order_on_rank",
     "inf_on_one_rank",
+    "AmpChoice",
+    "choose_amp",
 ]
 
 FP16_SMALLEST_SUBNORMAL = 2.0**-24  # 5.96e-8: anything smaller rounds to 0 in float16
@@ -56,6 +60,40 @@ def underflow_fraction(values: torch.Tensor, dtype: torch.dtype, scale: float = 
         raise ValueError("values has no non-zero element")
     cast = (nonzero.double() * scale).to(dtype)
     return (cast == 0).double().mean().item()
+
+
+class AmpChoice(NamedTuple):
+    """The 16-bit type :func:`choose_amp` picks, whether it needs a loss scaler, and why."""
+
+    dtype: torch.dtype
+    loss_scaling: bool
+    reason: str
+
+
+BF16_CAPABILITY = (8, 0)  # Ampere (A100) on: tensor cores for bfloat16 as well as float16
+
+
+def choose_amp(device: torch.device | str | None = None) -> AmpChoice:
+    """The autocast dtype for ``device`` (default: this rank's, ``runtime.device()``).
+
+    bfloat16, with no scaler, on a GPU of compute capability 8.0 or more (A100, H100...) and on
+    the CPU (autocast's default there; CPUs have little float16 arithmetic); float16 with a loss
+    scaler on older GPUs (V100 7.0, Kaggle's and Colab's T4 7.5), whose tensor cores have no
+    bfloat16. Chapter 8 prints it for its machine; the trainer's ``--amp auto`` uses it.
+    """
+    if device is None:
+        from dpcourse.runtime import device as current_device
+
+        device = current_device()
+    device = torch.device(device)
+    if device.type != "cuda":
+        return AmpChoice(torch.bfloat16, False, f"{device.type}: autocast's default, bfloat16")
+    capability = torch.cuda.get_device_capability(device)
+    name = f"compute capability {capability[0]}.{capability[1]}"
+    if tuple(capability) >= BF16_CAPABILITY:
+        return AmpChoice(torch.bfloat16, False, f"{name}: bfloat16 tensor cores, no scaler")
+    return AmpChoice(torch.float16, True,
+                     f"{name}: no bfloat16 tensor cores, so float16 with loss scaling")
 
 
 def autocast_gradient_zeros(

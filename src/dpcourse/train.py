@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from dpcourse import checkpoint, ddp, runtime
+from dpcourse import checkpoint, ddp, mixed_precision, runtime
 from dpcourse.lr_schedule import RULES, lr_at
 
 STRATEGIES = ("single", "manual", "ddp-scratch", "ddp-torch", "zero")
@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--grad-clip", type=float, default=None,
                    help="max gradient norm (0: off; default 1)")
-    p.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off")
+    p.add_argument("--amp", choices=("off", "auto", "bf16", "fp16"), default="off",
+                   help="auto: bf16, or fp16 with loss scaling below compute capability 8.0")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-samples", type=int, default=1024, help="size of the data set")
     p.add_argument("--checkpoint-dir", type=Path, default=None)
@@ -214,8 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_at(s, args.lr, world, args.warmup, args.lr_scaling) / args.lr
     )
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    amp = mixed_precision.choose_amp(device) if args.amp == "auto" else None  # chapter 8
+    amp_dtype = amp.dtype if amp else {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
 
     # ---- resume from the newest checkpoint, if there is one
     step = 0
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(
         f"training {args.model} with {args.strategy} on {world} rank(s) ({info.backend}, "
         f"{device}): {args.steps} steps of {world} x {args.batch_size} samples"
+        + (f"; --amp auto: {amp.reason}" if amp else "")
     )
 
     # ---- the training loop
