@@ -197,5 +197,20 @@
                     + `"${short(table.textContent, 60)}"`);
     }
   }
+  // The page's buttons (issue 33): a chapter written as a notebook offers the notebook for
+  // download (tests/test_site.py checks the file is there: file:// pages cannot fetch); launch buttons (Colab, Binder, a JupyterHub: only where
+  // _config.yml names the repository) open this book's notebook, never Jupyter Book's own.
+  const launches = [...document.querySelectorAll('.dropdown-launch-buttons a[href]')];
+  counts.launch_buttons = launches.length;
+  for (const a of launches) {
+    if (/executablebooks\/jupyter-book/.test(a.href) || !/\.ipynb/.test(a.href)) {
+      problems.push(`a launch button opens something other than this notebook: ${a.href}`);
+    }
+  }
+  const notebook = document.querySelector('.dropdown-download-buttons a[href$=".ipynb"]');
+  counts.notebook_downloads = notebook ? 1 : 0;
+  if (!notebook && document.querySelector('div.cell')) {
+    problems.push('a page with code cells offers no notebook to download');
+  }
   return {problems, counts, ms: Date.now() - start};
 })

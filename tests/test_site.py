@@ -49,6 +49,8 @@ def test_every_toc_page_is_built_with_its_images(name):
         assert (HTML / name).parent.joinpath(src).resolve().exists(), f"{name}: missing image {src}"
     assert "Traceback (most recent call last)" not in text_of(html), f"{name} shows an error"
     assert "CC BY 4.0" in text_of(html) and "MIT License" in text_of(html), f"{name}: footer"
+    if (ROOT / f"{name}.ipynb").exists():  # the download button's notebook (issue 33)
+        assert f'_sources/{name}.ipynb"' in html and (HTML / "_sources" / f"{name}.ipynb").exists()
 
 
 def test_index_opens_on_the_intro():
