@@ -4,13 +4,17 @@ The book build executes them; outputs saved in the source would go stale as the 
 and cells without ids make nbformat warn (and, from nbformat 6, fail) on every read.
 """
 
+import importlib.util
 import json
+import sys
+import types
 from pathlib import Path
 
 import nbformat
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "chapters").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "chapters").glob("*.ipynb"))
 
 
 def test_there_are_chapter_notebooks():
@@ -31,3 +35,56 @@ def test_notebook_is_saved_valid_and_without_outputs(path):
         if cell["cell_type"] == "code" and (cell["outputs"] or cell["execution_count"])
     ]
     assert not executed, f"{path.name}: cells {executed} were saved with outputs; clear them"
+
+
+def _install_cell_tool():
+    """tools/install_cell.py, loaded as a module (tools/ is not a package)."""
+    path = ROOT / "tools" / "install_cell.py"
+    spec = importlib.util.spec_from_file_location("install_cell", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_first_code_cell_installs_the_package_where_it_is_missing(path):
+    """Every notebook opens with the same install cell, as tools/install_cell.py writes it for
+    the repository _config.yml names (Colab and Kaggle have no dpcourse)."""
+    tool = _install_cell_tool()
+    first = next(c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    assert first.get("id") == tool.CELL_ID and "".join(first["source"]) == tool.cell_source(), (
+        f"{path.name}: its first code cell is not the install cell of tools/install_cell.py "
+        "(or the repository in _config.yml changed): run python tools/install_cell.py"
+    )
+
+
+def _run_install_cell(source, monkeypatch):
+    """Run the install cell where dpcourse cannot be imported; return the pip commands it ran."""
+    commands = []
+
+    def run(command, check):
+        commands.append(command)
+        monkeypatch.delitem(sys.modules, "dpcourse", raising=False)  # "installed"
+
+    monkeypatch.setitem(sys.modules, "dpcourse", None)  # None in sys.modules: ImportError
+    monkeypatch.setitem(sys.modules, "subprocess", types.SimpleNamespace(run=run))
+    exec(compile(source, "install-cell", "exec"), {})
+    return commands
+
+
+def test_install_cell_without_a_repository_says_how_to_install(monkeypatch):
+    source = _install_cell_tool().TEMPLATE.format(repository="", needs="numpy", needs_list='"n"')
+    with pytest.raises(ImportError, match=r"pip install -e \.") as error:
+        _run_install_cell(source, monkeypatch)
+    assert "pip install --no-deps -e . && pip install numpy" in str(error.value)
+
+
+def test_install_cell_installs_from_the_repository_without_torch(monkeypatch):
+    tool = _install_cell_tool()
+    url = "https://github.com/example/course"
+    source = tool.TEMPLATE.format(repository=url, needs="cloudpickle numpy",
+                                  needs_list='"cloudpickle", "numpy"')
+    package, needs = _run_install_cell(source, monkeypatch)
+    assert package[-2:] == ["--no-deps", f"dpcourse @ git+{url}"]  # torch stays as it is
+    assert needs[-2:] == ["cloudpickle", "numpy"]
+    assert "torch" not in tool.needs() and "numpy" in tool.needs()

@@ -256,6 +256,7 @@ def test_sbatch_torchrun_command_line_parses():
     assert parsed.max_restarts == 1
     args = train.parse_args(parsed.training_script_args)
     assert args.strategy in train.STRATEGIES and args.checkpoint_dir is not None
+    assert args.amp == "auto"  # bfloat16 or float16 by the GPUs' compute capability
     text = SBATCH.read_text()
     assert "scontrol show hostnames" in text and "head -n1" in text
     assert "#SBATCH --nodes=2" in text

@@ -1,0 +1,122 @@
+"""The first code cell of every chapter notebook: install `dpcourse` where it is missing.
+
+On Colab, Kaggle or a bare Jupyter a notebook opened on its own finds no `dpcourse`. The cell
+this tool writes installs it there from the repository that `_config.yml` names (`repository:
+url:`), without its dependency on torch, so that the torch the machine came with (a CUDA build)
+stays; then the other needs by name, which pip leaves alone where they are installed. Where no
+repository is named it stops with how to install from a clone. Where `dpcourse` imports (a
+clone after `make`, CI) the cell does nothing.
+
+The cell is the same in every notebook, written from one template here:
+
+    python tools/install_cell.py          # write (or update) the cell in every chapter notebook
+    python tools/install_cell.py --check  # exit 1 if a notebook's cell differs
+
+`tests/test_notebook_files.py` checks that every notebook has it, unchanged, as its first code
+cell. Run the tool again after naming the repository in `_config.yml`.
+
+Chapter 0: the course's tooling (running the notebooks on any machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CELL_ID = "install-dpcourse"
+# Hidden behind a toggle on the website: it is the same on every page and does nothing there.
+TAGS = ["hide-cell"]
+
+TEMPLATE = '''\
+# Colab, Kaggle or a bare Jupyter: install the course's package if it is missing, keeping the
+# machine's torch (the book's page "Run it on your machine" says more). Elsewhere: nothing.
+try:
+    import dpcourse  # noqa: F401
+except ImportError:
+    import subprocess
+    import sys
+
+    REPOSITORY = "{repository}"  # _config.yml's; written by tools/install_cell.py
+    if not REPOSITORY:
+        raise ImportError(
+            "dpcourse is not installed. In a clone of the course: pip install -e . ; to keep an "
+            "installed torch: pip install --no-deps -e . && pip install {needs}"
+        ) from None
+    pip = [sys.executable, "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "--no-deps", f"dpcourse @ git+{{REPOSITORY}}"], check=True)
+    subprocess.run([*pip, {needs_list}], check=True)
+    import dpcourse  # noqa: F401
+'''
+
+
+def repository() -> str:
+    """The repository's URL that `_config.yml` names ("" when none is)."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    return ((config.get("repository") or {}).get("url") or "").strip()
+
+
+def needs() -> list[str]:
+    """The package's runtime needs other than torch, by name (`pyproject.toml`'s dependencies,
+    as the installed package's metadata has them: no extras)."""
+    requires = [dep for dep in metadata.requires("dpcourse") or [] if "extra ==" not in dep]
+    names = [re.split(r"[\s<>=!~;\[(]", dep, maxsplit=1)[0] for dep in requires]
+    return [name for name in names if name != "torch"]
+
+
+def cell_source() -> str:
+    """The cell's source, as every notebook must have it."""
+    names = needs()
+    return TEMPLATE.format(repository=repository(), needs=" ".join(names),
+                           needs_list=", ".join(f'"{name}"' for name in names)).rstrip("\n")
+
+
+def notebooks() -> list[Path]:
+    """Every chapter notebook."""
+    return sorted((ROOT / "chapters").glob("*.ipynb"))
+
+
+def _lines(source: str) -> list[str]:
+    lines = source.split("\n")
+    return [line + "\n" for line in lines[:-1]] + [lines[-1]]
+
+
+def update(path: Path, check: bool) -> bool:
+    """Write the cell into ``path`` (before its first code cell, or in place of an older one);
+    True if the notebook was, or (``check``) would be, changed."""
+    notebook = json.loads(path.read_text())
+    cells = notebook["cells"]
+    cell = {"cell_type": "code", "execution_count": None, "id": CELL_ID,
+            "metadata": {"tags": TAGS}, "outputs": [], "source": _lines(cell_source())}
+    old = [i for i, c in enumerate(cells) if c.get("id") == CELL_ID]
+    if old:
+        if cells[old[0]] == cell:
+            return False
+        cells[old[0]] = cell
+    else:
+        first_code = next(i for i, c in enumerate(cells) if c["cell_type"] == "code")
+        cells.insert(first_code, cell)
+    if not check:
+        path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the cell into every chapter notebook, or (--check) report those that differ."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 on a diff")
+    args = parser.parse_args(argv)
+    changed = [path.name for path in notebooks() if update(path, args.check)]
+    verb = "differ" if args.check else "updated"
+    print(f"{len(changed)} notebook(s) {verb}: {', '.join(changed) or '-'}")
+    return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
