@@ -11,6 +11,7 @@
 # For instructors:
 #   make student                          student website and notebooks, without solutions
 #   make grade SUBMISSIONS=dir OUT=f.csv  execute submitted notebooks, write a score table
+#              (and GRADESCOPE=dir, default gradescope/: a Gradescope results.json per notebook)
 # Uses the active virtual environment if there is one, else creates .venv here.
 
 PYTHON ?= python3
@@ -114,8 +115,9 @@ student: $(STAMP) vendor $(EXECUTED)/chapters
 
 SUBMISSIONS ?= submissions
 OUT ?= scores.csv
+GRADESCOPE ?= gradescope
 grade: $(STAMP)
-	$(BIN)/python -m dpcourse.exercises grade $(SUBMISSIONS) --out $(OUT)
+	$(BIN)/python -m dpcourse.exercises grade $(SUBMISSIONS) --out $(OUT) --gradescope $(GRADESCOPE)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests chapters

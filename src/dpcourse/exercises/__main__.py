@@ -6,6 +6,7 @@ Chapter 0: the course's tooling (appendix A, the instructor guide, explains it).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections import defaultdict
@@ -39,6 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("grade", help="execute submitted notebooks and write a score table")
     p.add_argument("submissions", nargs="+", help="notebooks, or folders of them")
     p.add_argument("--out", default="scores.csv", help="the CSV file to write")
+    p.add_argument(
+        "--gradescope",
+        metavar="DIR",
+        help="also write a Gradescope results.json per notebook under DIR",
+    )
+    p.add_argument(
+        "--gradescope-file",
+        metavar="FILE",
+        help="also write everything graded as one Gradescope submission's results.json "
+        "(an autograder's run_autograder: /autograder/results/results.json)",
+    )
     p.add_argument(
         "--timeout",
         type=float,
@@ -80,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             [Path(s) for s in args.submissions], args.timeout, args.cell_timeout, args.jobs
         )
         grading.write_csv(rows, Path(args.out))
+        if args.gradescope:
+            grading.write_gradescope(rows, Path(args.gradescope))
+        if args.gradescope_file:
+            target = Path(args.gradescope_file)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(grading.gradescope_results(rows), indent=1) + "\n")
         totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for r in rows:
             totals[r.submission][0] += r.score

@@ -9,7 +9,9 @@ The grader does not trust the notebook's own check cells. After the last cell it
 chapter's checks itself, in the same kernel, on the functions the exercises name
 (``my_chunk_data`` and so on), and records one row per exercise: ``passed``, ``failed``,
 ``not attempted`` (the student edition's stub is still there), ``missing`` (the function was
-never defined) or ``not run`` (the notebook did not get that far). Scores go to a CSV file.
+never defined) or ``not run`` (the notebook did not get that far). Scores go to a CSV file
+and, for Gradescope, to a ``results.json`` per submission in its autograder format
+(:func:`gradescope_results`; the instructor guide says how to upload the grader).
 
 Chapter 0: the exercise checks of the whole course.
 """
@@ -31,7 +33,9 @@ from pathlib import Path
 
 from dpcourse.exercises.core import LOG_ENV, registry, run_check
 
-__all__ = ["GradeRow", "grade", "chapter_of", "write_csv"]
+__all__ = [
+    "GradeRow", "grade", "chapter_of", "write_csv", "gradescope_results", "write_gradescope",
+]
 
 DEFAULT_TIMEOUT = 900.0  # seconds for one whole notebook
 DEFAULT_CELL_TIMEOUT = 300.0
@@ -225,7 +229,12 @@ def grade(
         raise ValueError(f"jobs must be a positive number of submissions at once, got {jobs!r}")
     files: list[Path] = []
     for p in map(Path, paths):
-        files += sorted(p.rglob("*.ipynb")) if p.is_dir() else [p]
+        if not p.is_dir():
+            files.append(p)
+            continue
+        # Not Jupyter's .ipynb_checkpoints/ copies (or any hidden folder's) of an uploaded folder.
+        files += [f for f in sorted(p.rglob("*.ipynb"))
+                  if not any(part.startswith(".") for part in f.relative_to(p).parts)]
     # Read everything first: a submission that deletes files cannot take the others with it.
     contents = [(str(f), f.read_bytes()) for f in files]
     with ThreadPoolExecutor(jobs) as pool:  # threads suffice: each submission is a process
@@ -241,3 +250,45 @@ def write_csv(rows: list[GradeRow], out: Path) -> None:
         writer.writerow(["submission", "chapter", "exercise", "status", "score", "message"])
         for r in rows:
             writer.writerow([r.submission, r.chapter, r.exercise, r.status, r.score, r.message])
+
+
+def gradescope_results(rows: list[GradeRow]) -> dict:
+    """The rows of one submission (a notebook, or every notebook of one upload) as Gradescope's
+    autograder wants them in ``results.json``: a test per exercise, worth 1 point, its output
+    what the check said; the total as ``score``. A notebook that could not be graded at all
+    (not a notebook, no chapter) gives no test, only the top-level ``output``."""
+    several = len({r.submission for r in rows}) > 1
+    tests, notes = [], []
+    for r in rows:
+        where = Path(r.submission).name
+        if r.exercise == "-":  # nothing in this notebook could be graded
+            notes.append(f"{where}: {r.message}")
+            continue
+        tests.append({
+            "name": f"{r.exercise} ({where})" if several else r.exercise,
+            "score": r.score,
+            "max_score": 1,
+            # Gradescope knows passed and failed; the output keeps the grader's own status.
+            "status": "passed" if r.status == "passed" else "failed",
+            "output": f"{r.status}: {r.message}" if r.message else r.status,
+        })
+    score = sum(t["score"] for t in tests)
+    summary = f"{score}/{len(tests)} checked exercises passed"
+    return {"score": score, "output": "\n".join([summary, *notes]), "tests": tests}
+
+
+def write_gradescope(rows: list[GradeRow], out: Path) -> list[Path]:
+    """One Gradescope ``results.json`` per submitted notebook under ``out``, in folders named
+    after the notebooks' paths below their common folder (``out/alice_01/results.json``)."""
+    by_submission: dict[str, list[GradeRow]] = {}
+    for r in rows:
+        by_submission.setdefault(r.submission, []).append(r)
+    paths = [Path(name).resolve() for name in by_submission]
+    common = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path()
+    written = []
+    for path, group in zip(paths, by_submission.values(), strict=True):
+        target = Path(out) / path.relative_to(common).with_suffix("") / "results.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(gradescope_results(group), indent=1) + "\n")
+        written.append(target)
+    return written
