@@ -317,6 +317,14 @@ def test_a_different_world_size_is_a_clear_error(tmp_path):
     assert run_ranks(_load_with_world, 3, tmp_path, False, timeout=TIMEOUT) == [3, 3, 3]
 
 
+def test_a_sharded_state_of_torch_optimizers_is_not_resharded(tmp_path):
+    """Each rank's torch AdamW holds the state of its own parameters: on 3 ranks the files of 2
+    cannot be cut again (chapter 9's ShardedOptimizer can: tests/test_zero_torch_loops.py)."""
+    run_ranks(_train_on_ranks, 2, tmp_path, 3, 3, False, sharded=True, timeout=TIMEOUT)
+    messages = run_ranks(_load_with_world, 3, tmp_path, False, timeout=TIMEOUT)
+    assert all("sharded over 2 ranks" in m and "resume with 2 ranks" in m for m in messages)
+
+
 def _rank_dies_while_saving(directory):
     """Rank 1 dies before writing its shard: the manifest must not name the new checkpoint."""
     import torch.distributed as dist

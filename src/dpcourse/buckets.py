@@ -8,10 +8,15 @@ asynchronous all-reduce per full bucket, in bucket order. :class:`dpcourse.ddp.D
 from autograd hooks. The split follows picotron's ``data_parallel.py`` / ``bucket.py``; the
 names follow PyTorch's DDP design note.
 
+A parameter without a gradient on this rank takes part in its bucket's all-reduce as zeros. With
+``find_unused=True`` (torch's ``find_unused_parameters=True``) the reducer also all-reduces which
+parameters each rank used, and gives a parameter that no rank used its gradient back as it was
+(``None`` after ``zero_grad()``), so that the optimizer skips it as torch's DDP lets it; without
+it such a gradient is zeros, which plain SGD ignores but momentum, Adam or weight decay do not.
+
 What is not here: torch's smaller first bucket (1 MiB, so that communication starts early), the
-bucket order rebuilt after the first step from the order gradients arrived in, communication
-hooks (fp16 compression), and ``find_unused_parameters``' extra all-reduce that leaves gradients
-of parameters no rank used as ``None`` (here they become zeros, which plain SGD ignores).
+bucket order rebuilt after the first step from the order gradients arrived in, and communication
+hooks (fp16 compression).
 
 Chapter 7: gradient buckets for DistributedDataParallel.
 """
@@ -109,8 +114,11 @@ class BucketManager:
     pair its bucket 1 with another rank's bucket 0.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: float, world_size: int) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: float, world_size: int,
+                 find_unused: bool = False) -> None:
         self.world_size = world_size
+        self.find_unused = find_unused
+        self.accumulated: set[nn.Parameter] = set()  # got a gradient inside no_sync()
         self.buckets: list[Bucket] = []
         self.where: dict[nn.Parameter, tuple[Bucket, int]] = {}
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -159,7 +167,11 @@ class BucketManager:
 
     def finish(self) -> None:
         """Launch the buckets still waiting (missing gradients count as zeros), wait for all,
-        and reset for the next step."""
+        and reset for the next step. With ``find_unused``, then keep the gradients of the
+        parameters that no rank used as they were (:meth:`_keep_unused`)."""
+        used = ({p: b.ready[k] or p in self.accumulated for p, (b, k) in self.where.items()}
+                if self.find_unused else {})
+        before = {p: None if p.grad is None else p.grad.clone() for p, u in used.items() if not u}
         for bucket in self.buckets[self.next_to_launch :]:
             for k, ready in enumerate(bucket.ready):
                 if not ready:
@@ -170,3 +182,22 @@ class BucketManager:
             bucket.reset()
         self.next_to_launch = 0
         self.ready_in_backward = 0
+        self.accumulated.clear()
+        if self.find_unused:
+            self._keep_unused(list(used.values()), before)
+
+    def _keep_unused(self, used: list[bool], before: dict) -> None:
+        """All-reduce which parameters each rank used (one int32 each, as torch's DDP does);
+        where no rank used one, put back the gradient it had before the zeros stood in for it
+        (``before``: this rank's unused ones). Read on the host only where this rank has some."""
+        device = self.buckets[0].buffer.device
+        counts = torch.tensor(used, dtype=torch.int32, device=device)
+        dist.all_reduce(counts)
+        if not before:
+            return
+        for p, count in zip(self.where, counts.tolist(), strict=True):
+            if count == 0 and p in before:
+                if before[p] is None:
+                    p.grad = None
+                else:
+                    p.grad.copy_(before[p])

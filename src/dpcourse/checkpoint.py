@@ -266,8 +266,11 @@ def load_checkpoint(
 
     The generators of rank r are rank r's from the saved run, so the world size must be the same
     as when it was saved; a different one raises ``ValueError`` (pass ``restore_rng=False`` to
-    resume anyway, without an identical trajectory; a sharded optimizer always needs the same
-    world size). ``map_location`` defaults to where the model's parameters are.
+    resume anyway, without an identical trajectory). A sharded optimizer's files then all go to
+    ``optimizer.load_state_dict`` as one list, which chapter 9's ``ShardedOptimizer`` cuts to
+    its new shards; a sharded model (FSDP) needs the same world size. A checkpoint of a plain
+    optimizer loads into a ``ShardedOptimizer`` too. ``map_location`` defaults to where the
+    model's parameters are.
     """
     manifest = latest_checkpoint(directory)
     if manifest is None:
@@ -279,14 +282,22 @@ def load_checkpoint(
     state = torch.load(where / CHECKPOINT_FILE, map_location=map_location, weights_only=True)
     saved_world = state["world_size"]
     sharded_model = manifest.get("sharded_model", False)
-    if saved_world != world and (restore_rng or manifest["sharded_optimizer"] or sharded_model):
-        if manifest["sharded_optimizer"] or sharded_model:
-            why, fix = "its state is sharded by rank", ""
+    if saved_world != world and (restore_rng or sharded_model):
+        if sharded_model:
+            why, fix = "its model is sharded by rank", ""
         else:
             why, fix = "it holds each rank's random generators", ", or pass restore_rng=False"
         raise ValueError(
             f"the checkpoint {where} was written by {saved_world} ranks and this job has {world}: "
             f"{why}. Resume with {saved_world} ranks{fix}"
+        )
+    if saved_world != world and manifest["sharded_optimizer"] and not getattr(
+        optimizer, "reshards_state", False
+    ):
+        raise ValueError(
+            f"the checkpoint {where} holds an optimizer state sharded over {saved_world} ranks, "
+            f"which {type(optimizer).__name__} cannot cut for {world} (chapter 9's "
+            f"ShardedOptimizer can): resume with {saved_world} ranks"
         )
     if sharded_model:
         _unwrap(model).load_state_dict(torch.load(
@@ -295,10 +306,10 @@ def load_checkpoint(
     else:
         _unwrap(model).load_state_dict(state["model"])
     if manifest["sharded_optimizer"]:
-        shard = torch.load(
-            where / _shard_name(rank, world), map_location=map_location, weights_only=True
-        )
-        optimizer.load_state_dict(shard)
+        ranks = [rank] if saved_world == world else range(saved_world)  # all: to reshard
+        shards = [torch.load(where / _shard_name(r, saved_world), map_location=map_location,
+                             weights_only=True) for r in ranks]
+        optimizer.load_state_dict(shards[0] if saved_world == world else shards)
     else:
         optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state["scaler"] is not None:

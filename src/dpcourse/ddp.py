@@ -166,10 +166,12 @@ class DDP(nn.Module):
     unchanged (``overlap``, keyword-only, is the course's own). Where they mean something here
     they act as in torch: ``init_sync=False`` skips the first broadcast, ``device_ids`` and
     ``output_device`` must name the module's device, ``dim`` must be 0 and ``process_group``
-    the default group. Three are accepted with one behaviour only: gradients are always views
-    of the buckets (``gradient_as_bucket_view=True`` in torch's words), a parameter without a
-    gradient is always averaged as zeros (what ``find_unused_parameters`` is for), and the
-    buckets are never rebuilt (``static_graph``). Any other argument is refused, by name.
+    the default group, and ``find_unused_parameters=True`` leaves a parameter that no rank used
+    with the gradient it had (``None`` after ``zero_grad()``: the optimizer skips it), where by
+    default it is averaged as zeros (torch's DDP stops with an error instead). Two are accepted
+    with one behaviour only: gradients are always views of the buckets
+    (``gradient_as_bucket_view=True`` in torch's words), and the buckets are never rebuilt
+    (``static_graph``). Any other argument is refused, by name.
     """
 
     def __init__(
@@ -209,7 +211,8 @@ class DDP(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         if init_sync:
             broadcast_parameters(module)
-        self.reducer = BucketManager(params, bucket_cap_mb * MB, self.world_size)
+        self.reducer = BucketManager(params, bucket_cap_mb * MB, self.world_size,
+                                     find_unused=find_unused_parameters)
         self.require_backward_grad_sync = True
         self._finish_queued = False  # a callback waits for the end of this backward
         self._synchronised = False  # the last backward's gradients are averaged already
@@ -228,6 +231,8 @@ class DDP(nn.Module):
                 self._finish_queued = True
                 self._synchronised = False
             self.reducer.mark_ready(param, launch=self.overlap)
+        else:  # a gradient kept on this rank (no_sync): the parameter was used
+            self.reducer.accumulated.add(param)
 
     def _finish_at_end_of_backward(self) -> None:
         self._finish_queued = False

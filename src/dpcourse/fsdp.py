@@ -22,8 +22,11 @@ rank still holds every parameter. Stage 3 shards the parameters too, as torch's 
    wire while this layer computes: at most two layers are gathered at a time.
 
 Parameters outside the sharded layers stay replicated; their gradients are all-reduced in
-:meth:`FSDP.finish_gradient_synchronization`, which also all-reduces one flag: whether any rank's
-gradients were not finite. Each rank's reduce-scatter brings it only its own rows, so an fp16
+:meth:`FSDP.finish_gradient_synchronization`, which also all-reduces a few flags in one message:
+whether any rank's gradients were not finite, and which parameters got a gradient on some rank.
+A parameter that no rank used keeps the gradient it had (``None`` after ``zero_grad()``), so
+that the optimizer skips it, as with torch's DDP and FSDP (zeros would move it under momentum,
+Adam or weight decay). Each rank's reduce-scatter brings it only its own rows, so an fp16
 overflow on one rank would reach only the owners of the rows it hit, and a ``GradScaler`` on the
 other ranks would step while theirs skip (and their scales part ways); with the flag, every
 rank's gradients are made non-finite and every rank skips the step, as with DDP's all-reduce
@@ -101,6 +104,9 @@ class FSDP(nn.Module):
         self._order: list[ShardedLayer] = []  # forward order, recorded by the first forward
         self._recorded = False
         self._pending: list[CommWork] = []  # reduce-scatters submitted in this backward
+        # this backward, per trainable shard or replicated parameter: whether it got a gradient
+        # on this rank, and the .grad it had before (kept if no rank used it)
+        self._seen: dict[nn.Parameter, tuple[bool, torch.Tensor | None]] = {}
         self._needs_sync = False
         # any rank's gradients not finite (an fp16 overflow): on the device, no host sync
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=devices[0] if devices else None)
@@ -165,6 +171,8 @@ class FSDP(nn.Module):
 
     def _reduce(self, layer: ShardedLayer) -> None:
         layer.reduced = True
+        for i in layer.trainable():
+            self._seen[layer.shards[i]] = (layer.full[i].grad is not None, layer.shards[i].grad)
         flat = layer.pack_grads()
         self._nonfinite |= ~torch.isfinite(flat).all()
         self._pending.append(self.comm.submit(layer.reduce_scatter, flat,
@@ -191,16 +199,25 @@ class FSDP(nn.Module):
         arrive (a missing gradient counts as zero) and all-reduce the replicated parameters'
         gradients (averaged). Afterwards every shard's ``.grad`` is its rows of the average; if
         any rank's gradients were not finite, every rank's are (a NaN in each), so that a
-        ``GradScaler`` skips the step on every rank."""
+        ``GradScaler`` skips the step on every rank; a parameter that no rank used has the
+        gradient it had before this backward (``None`` after ``zero_grad``)."""
         for layer in self.layers:
             if not layer.reduced and layer.trainable():
                 self._reduce(layer)
+        self._seen.update((p, (p.grad is not None, p.grad)) for p in self.replicated
+                          if p.requires_grad)
+        # in one order on every rank: the layers', then the replicated parameters'
+        used = [self._seen[p][0] for p in self._trainable()]
         if self.replicated:
             self._pending.append(self.comm.submit(_all_reduce_grads, self.replicated,
                                                   self.world_size, stream="reduce-scatter"))
-        nonfinite = self._nonfinite.float().reshape(1)  # 1: this rank's gradients overflowed
+        # one message: this rank's overflow (1: not finite) and, per parameter, "used here"
+        flags = torch.ones(1 + len(used), dtype=torch.uint8, device=self._nonfinite.device)
+        flags[0] = self._nonfinite
+        if not all(used):
+            flags[1:] = torch.tensor(used, dtype=torch.uint8).to(flags.device)  # rare: a copy
         if self.world_size > 1:
-            self._pending.append(self.comm.submit(ring_all_reduce, nonfinite, "max", False,
+            self._pending.append(self.comm.submit(ring_all_reduce, flags, "max", False,
                                                   stream="reduce-scatter"))
         for work in self._pending:
             work.wait()
@@ -210,13 +227,29 @@ class FSDP(nn.Module):
             if layer.gather is not None:
                 layer.gather.wait()
             layer.free()
+        self._keep_unused(flags, all(used))
         grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel()]
         # they were made on the reduce-scatter stream; the optimizer uses them here
         used_here(grads)
-        overflow = nonfinite.bool()
+        overflow = flags[0].bool()
         for g in grads:  # a tensor op, not `if overflow:`, which would wait for the GPU
             g.view(-1)[:1].masked_fill_(overflow, float("nan"))
         self._needs_sync = False
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return ([layer.shards[i] for layer in self.layers for i in layer.trainable()]
+                + [p for p in self.replicated if p.requires_grad])
+
+    def _keep_unused(self, flags: torch.Tensor, all_used_here: bool) -> None:
+        """Give the parameters that no rank used (``flags[1:]``, all-reduced) the gradient they
+        had before this backward. If every one got a gradient here, nothing is read: the flags
+        stay on the device (torch's DDP reads its map of used parameters only in the other
+        case too)."""
+        if not all_used_here:
+            for p, used in zip(self._trainable(), flags[1:].tolist(), strict=True):
+                if not used:
+                    p.grad = self._seen[p][1]
+        self._seen.clear()
 
     # --------------------------------------------------------------------- whole weights
     @torch.no_grad()

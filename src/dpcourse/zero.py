@@ -23,24 +23,30 @@ one. Optimizers that look at a whole tensor at once (LAMB's or Adafactor's per-t
 see slices instead; ``torch.distributed.optim.ZeroRedundancyOptimizer`` gives whole tensors to
 ranks instead, which keeps such optimizers exact but balances the state less evenly.
 
+A training loop sees a torch optimizer: ``zero_grad`` discards the averaged gradients too,
+parameters without a gradient are not stepped (:mod:`dpcourse.zero_grads`), ``step`` takes a
+closure, a full (unsharded) state loads (:mod:`dpcourse.zero_state`), and ``Join`` handles
+uneven inputs (:mod:`dpcourse.zero_join`).
+
 Chapter 9: sharded optimizers (ZeRO stages 1 and 2) from scratch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
-from dpcourse import zero_state
 from dpcourse.collectives.p2p import rank_and_size
 from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
-from dpcourse.collectives.tree import tree_all_reduce
 from dpcourse.flat_shards import FlatGroup, as_param_groups, flatten_group, owner_of, shard_bounds
+from dpcourse.zero_grads import exchange_used, global_norm, keep_unused
+from dpcourse.zero_join import JoinableOptimizer, notify
+from dpcourse.zero_state import ShardedStateDict
 
 __all__ = [
     "ShardedOptimizer",
@@ -49,7 +55,7 @@ __all__ = [
 ]
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer, JoinableOptimizer):
     """ZeRO stage 1 (or 2): each rank keeps the optimizer state of 1/N of the parameters.
 
     ``ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)``
@@ -58,26 +64,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
     takes: an iterable of parameters, or of dicts (parameter groups, each with its own options
     such as ``lr`` or ``weight_decay``). Parameters that do not require gradients are left out
     (frozen). All of a rank's trainable parameters must be on one device, and those of a group of
-    one dtype; every rank must pass the same parameters in the same order.
+    one dtype; every rank must pass the same parameters in the same order. ``optimizer_cls`` is
+    an elementwise torch optimizer (SGD, Adam, AdamW, ...; not LBFGS).
 
     **Gradients.** As DDP does, it averages the gradients by the end of each backward (the
     autograd engine runs :meth:`reduce_gradients` once backward is over): they are
     reduce-scattered, and each rank keeps the average of its own shard in ``shard.grad``; the
-    model's ``.grad`` are then ``None``. Backward passes before a ``step`` add up (gradient
+    model's ``.grad`` are then ``None``. Backward passes add up until ``zero_grad`` (gradient
     accumulation, as with DDP); inside :meth:`no_sync` they add up locally and are reduced by the
-    next backward outside it, or by ``step``. ``stage=1`` keeps one flat gradient buffer per
-    group, which the model's ``.grad`` are views of during backward; ``stage=2`` keeps only the
-    shards (a full gradient exists only until it has been reduce-scattered).
+    next backward outside it, or by ``step``. ``zero_grad`` discards them, averaged or not. A
+    parameter that got no gradient on any rank since ``zero_grad`` is not stepped, as a torch
+    optimizer skips a ``.grad`` of ``None`` (:mod:`dpcourse.zero_grads`). ``stage=1`` keeps one
+    flat gradient buffer per group, which the model's ``.grad`` are views of during backward;
+    ``stage=2`` keeps only the shards (a full gradient exists only until it is reduce-scattered).
 
-    **A torch optimizer.** It is a ``torch.optim.Optimizer`` whose ``param_groups`` are those of
-    the inner optimizer that steps this rank's shards: an LR scheduler (``LambdaLR(opt, ...)``)
-    and ``torch.amp.GradScaler`` drive it as they drive ``ZeroRedundancyOptimizer``. Clip with
+    **A torch optimizer.** Its ``param_groups`` are those of the inner optimizer that steps this
+    rank's shards: an LR scheduler (``LambdaLR(opt, ...)``) and ``torch.amp.GradScaler`` drive it
+    as they drive ``ZeroRedundancyOptimizer``. ``step(closure)`` calls the closure first, as torch's
+    optimizers do; other keyword arguments go to the inner optimizer's ``step``. Clip with
     :meth:`clip_grad_norm_` (the global norm over every rank's shard). ``state_dict()`` is this
-    rank's shard (a sharded checkpoint; load it on the same rank of the same world size);
-    :meth:`consolidate_state_dict` gathers the whole one, as torch's ``ZeroRedundancyOptimizer``
-    does. ``broadcast_parameters`` (default) copies rank 0's parameters to every rank at
-    construction, so that the replicas start equal, as DDP does. The parameters become views
-    into one flat buffer per group (their ``.data`` is replaced; values are kept). Chapter 9.
+    rank's shard (a sharded checkpoint); ``load_state_dict`` takes it, every rank's (any world
+    size), or a full state such as a plain optimizer's; :meth:`consolidate_state_dict` gathers
+    the whole one, as torch's ``ZeroRedundancyOptimizer`` does. It is ``Joinable``: under
+    ``torch.distributed.algorithms.Join`` ranks may have different numbers of batches
+    (:mod:`dpcourse.zero_join`). ``broadcast_parameters`` (default) copies rank 0's parameters to
+    every rank at construction, as DDP does. The parameters become views into one flat buffer
+    per group (their ``.data`` is replaced; values are kept). Chapter 9.
     """
 
     def __init__(
@@ -100,6 +112,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "optimizer_cls must be a torch optimizer class such as torch.optim.AdamW (the "
                 f"class, not an instance), got {optimizer_cls!r}"
             )
+        if issubclass(optimizer_cls, torch.optim.LBFGS):
+            raise ValueError(
+                "LBFGS cannot be sharded: its line search takes dot products over all the "
+                "parameters, and each rank would search its own shard and call the closure (and "
+                "backward) a different number of times. Use it unsharded, or e.g. AdamW"
+            )
         self.rank, self.world_size = rank_and_size()  # a clear error without a process group
         self.stage = stage
         self.optimizer_cls = optimizer_cls
@@ -121,13 +139,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.device = trainable[0].device
         self._groups: list[FlatGroup] = []
         self._all_params: list[list[torch.Tensor]] = []  # each group's, frozen ones included
+        self._grad_shards: list[torch.Tensor] = []  # memory of each shard.grad, kept when None
+        self._has_grad: list[list[bool]] = []  # per parameter: would torch's .grad be set?
         self.optimizer: torch.optim.Optimizer | None = None  # built by the first group
         self._sync = True  # False inside no_sync()
         self._queued = False  # the end-of-backward reduction is queued
         self._reduced = False  # gradients were reduced since the last step
-        self._fresh = True  # the next reduction overwrites the shard gradients (after a step)
+        self._clipped: tuple[float, float] | None = None  # clip_grad_norm_'s arguments, this step
+        self.last_clip: tuple[float, float] | None = None  # ... in the last step (Join replays it)
+        self._in_join_hook = False
         # torch's constructor calls add_param_group for each group: each is flattened there
         super().__init__(groups, optimizer_kwargs)
+        JoinableOptimizer.__init__(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (a dict with ``params`` and options), as on a torch optimizer: its
@@ -161,6 +184,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.optimizer.add_param_group(inner)
         self._groups.append(flat_group)
         self._all_params.append(group["params"])
+        self._grad_shards.append(flat_group.shard.grad)
+        flat_group.shard.grad = None  # no gradient yet, as a fresh parameter has none
+        self._has_grad.append([False] * len(params))
         # One set of groups and state: what a scheduler or a GradScaler changes here is what
         # the inner optimizer steps with.
         self.param_groups = self.optimizer.param_groups
@@ -186,14 +212,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Average the model's gradients over the ranks: reduce-scatter them, and add this rank's
-        shard of the average to ``shard.grad`` (or write it, after a step or ``zero_grad``).
-        Runs by itself at the end of backward; ``step`` runs it if no backward did."""
+        shard of the average to ``shard.grad`` (or write it, after ``zero_grad``); then learn
+        which parameters got a gradient on some rank. Runs by itself at the end of backward;
+        ``step`` runs it if no backward did."""
         self._queued = False
-        flat_grads = []
+        notify(self)  # under torch's Join only: this rank is still training
+        flat_grads, local = [], []
         finite = torch.ones((), dtype=torch.bool, device=self.device)
         for g in self._groups:
             flat_grad = g.grad if g.grad is not None else torch.empty_like(g.flat)
             for p, (s, e) in zip(g.params, g.offsets, strict=True):
+                local.append(p.grad is not None)
                 if p.grad is None:
                     flat_grad[s:e].zero_()
                 elif p.grad.data_ptr() != flat_grad[s:e].data_ptr():  # not moved by the hook
@@ -211,48 +240,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for cs in chunks:
                 for c in cs:
                     c[:1].masked_fill_(~finite, float("nan"))
-        for g, cs in zip(self._groups, chunks, strict=True):
+        for g, cs, memory in zip(self._groups, chunks, self._grad_shards, strict=True):
             if self.world_size > 1 and g.numel > 0:
                 ring_reduce_scatter_(cs, "sum", self.rank)
             mine = cs[self.rank].div_(self.world_size)
             if g.shard.grad is None:
-                g.shard.grad = mine.clone()
-            elif self._fresh:
-                g.shard.grad.copy_(mine)
+                g.shard.grad = memory.copy_(mine)
             else:
                 g.shard.grad.add_(mine)
-        self._fresh, self._reduced = False, True
+        # A parameter no rank used has no gradient for torch (DDP leaves its .grad None)
+        used = iter(exchange_used(local, self.device, self.world_size))  # every group's, in turn
+        for has in self._has_grad:
+            has[:] = [u or h for h, u in zip(has, used, strict=False)]
+        self._reduced = True
 
     # ----------------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
-        """Step this rank's shard with the averaged gradients, then all-gather the updated
-        shards, so that every rank has every parameter again."""
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Step this rank's shard with the averaged gradients, leaving parameters without one
+        as they are, then all-gather the updated shards, so that every rank has every parameter
+        again. ``closure`` (zero_grad, forward, backward; returns the loss) runs first, as in
+        torch's optimizers, and its loss is returned; ``kwargs`` go to the inner step."""
+        loss = None
         if closure is not None:
-            raise ValueError(
-                "ShardedOptimizer.step does not take a closure (LBFGS-style "
-                "optimizers re-evaluate the whole model, which it cannot shard)"
-            )
+            with torch.enable_grad():
+                loss = closure()  # its backward reduces the gradients at its end
         if not self._reduced:  # no backward on this rank reached a parameter, or no_sync
             self.reduce_gradients()
-        self.optimizer.step()
+        with keep_unused(self.optimizer, self._groups, self._has_grad):
+            self.optimizer.step(**kwargs)
         for g in self._groups:
             if self.world_size > 1 and g.numel > 0:
                 ring_all_gather_(g.flat.tensor_split(self.world_size), self.rank)
-        self._reduced, self._fresh = False, True
+        self._reduced = False
+        self.last_clip, self._clipped = self._clipped, None
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model's gradients (``None``, or zeros with ``set_to_none=False``); the
-        next reduction writes the shards' gradients instead of adding to them."""
+        """Discard every gradient, as a torch optimizer does: the model's (left on this rank by
+        ``no_sync``) and the averaged ones of the shards, which backward has already made. With
+        ``set_to_none`` (default) they are ``None`` and the parameters have no gradient until
+        the next backward gives them one (a step leaves them as they are); with ``False`` they
+        are zeros, and a step moves them as torch's moves a zero gradient (momentum, decay)."""
         for g in self._groups:
-            for p in g.params:
+            for p in [*g.params, g.shard]:
                 if p.grad is None:
                     continue
                 if set_to_none:
                     p.grad = None
                 else:
                     p.grad.zero_()
-        self._fresh = True
+        if set_to_none:
+            for has in self._has_grad:
+                has[:] = [False] * len(has)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -261,22 +301,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         that global norm. Call it after backward (and after ``scaler.unscale_(opt)``)."""
         if not self._reduced:
             self.reduce_gradients()
+        self._clipped = (max_norm, norm_type)
         grads = [g.shard.grad for g in self._groups if g.shard.grad is not None]
-        norm_type = float(norm_type)
-        if norm_type == float("inf"):
-            local = max((t.abs().max() for t in grads if t.numel()), default=None)
-            total = torch.zeros((), device=self.device) if local is None else local.float()
-            tree_all_reduce(total.reshape(1), "max") if self.world_size > 1 else None
-        else:
-            total = sum((t.float().norm(norm_type) ** norm_type for t in grads),
-                        torch.zeros((), device=self.device))
-            if self.world_size > 1:
-                tree_all_reduce(total.reshape(1), "sum")
-            total = total ** (1.0 / norm_type)
+        total = global_norm(grads, float(norm_type), self.device, self.world_size)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
         for t in grads:
             t.mul_(coef.to(t.dtype))
         return total
+
     # ------------------------------------------------------------------------ state, layout
     @property
     def shards(self) -> list[nn.Parameter]:
@@ -287,32 +319,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Bytes of the gradient buffers this optimizer holds: the shards' averaged gradients,
         and at stage 1 the flat gradient buffers too (the model's ``.grad`` are views of them
         during backward)."""
-        held = [g.shard.grad for g in self._groups if g.shard.grad is not None]
-        held += [g.grad for g in self._groups if g.grad is not None]
+        held = self._grad_shards + [g.grad for g in self._groups if g.grad is not None]
         return sum(t.nbytes for t in held)
-
-    def shard_ranges(self) -> list[tuple[int, int, int]]:
-        """(start, end, group numel) of this rank's shard in each group's flat buffer."""
-        return [(g.start, g.end, g.numel) for g in self._groups]
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's part of a sharded checkpoint: the inner optimizer's state (its shards)
-        and the layout it belongs to. Save one file per rank."""
-        return {"optimizer": self.optimizer.state_dict(), "layout": zero_state.layout(self)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from this rank's :meth:`state_dict` (saved by the same rank, same world size
-        and the same parameters); anything else is refused, saying why."""
-        zero_state.check_sharded_checkpoint(self, state_dict)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.param_groups = self.optimizer.param_groups  # torch's load makes new groups
-        self.state = self.optimizer.state
-
-    def consolidate_state_dict(self, to: int = 0) -> dict[str, Any] | None:
-        """The whole optimizer state on rank ``to`` (None on the others; every rank must call
-        it): the ``state_dict`` of an unsharded ``optimizer_cls`` over the same parameters and
-        groups, which a single process can load; as ``ZeroRedundancyOptimizer``'s."""
-        return zero_state.consolidate(self, to)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{g.end - g.start}/{g.numel}" for g in self._groups)
@@ -320,4 +328,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
             f"ShardedOptimizer(stage={self.stage}, {self.optimizer_cls.__name__}, rank "
             f"{self.rank} of {self.world_size}, shard elements per group: {sizes})"
         )
-
