@@ -49,13 +49,13 @@ EXECUTED := _build/executed
 .PHONY: setup vendor book notebooks site student grade test unit lint test-notebooks bench lab \
 	clean browser-test gpu-check audit audit-quick audit-unit
 
-# --no-compile: pip would compile every module of every package to bytecode (torch's thousands)
-# at install; Python compiles what is imported when it is first imported instead. Installing into
-# a new venv took 94 s with compiling and 58 s without (this 2-core machine, busy).
+# Not --no-compile: it saves half a minute of install, but this machine sets
+# PYTHONDONTWRITEBYTECODE=1, so modules pip did not compile would be compiled again by every
+# process that imports them (the notebooks took 405 s instead of about 185 in a CI run).
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
+	$(BIN)/python -m pip install --quiet -r requirements.txt
 	@touch $(STAMP)
 
 setup: $(STAMP)
