@@ -43,6 +43,11 @@ NBXDIST = $(if $(filter 0,$(NOTEBOOK_JOBS)),,-n $(NOTEBOOK_JOBS) --dist loadfile
 # their own threads (dpcourse.launch); THREADS= (empty) leaves torch's default.
 THREADS ?= 1
 OMP = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS),)
+# This machine sets PYTHONDONTWRITEBYTECODE=1: every new interpreter (a kernel, a fork server, a
+# torchrun worker, a test's subprocess) would compile the course's modules again, 0.7 s each for
+# dpcourse's main modules here, and a run starts a few hundred. An empty value lets Python cache
+# them in __pycache__ (git-ignored), as it does by default.
+export PYTHONDONTWRITEBYTECODE :=
 # Where `make notebooks` keeps each notebook as it ran (the websites are rendered from these).
 EXECUTED := _build/executed
 
