@@ -467,9 +467,12 @@ def test_stream_overlap_sums_what_each_stream_ran_beside_compute():
     assert got == {"compute busy": 3.0, "all-gather busy": 1.5, "reduce-scatter busy": 1.0,
                    "step": 6.0, "all-gather beside compute": 0.5,
                    "reduce-scatter beside compute": 0.0}
+    import matplotlib.pyplot as plt
+
     fig = plot_stream_trace(trace, "synthetic")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
         "compute stream", "all-gather stream", "reduce-scatter stream"]
+    plt.close(fig)  # test_viz_ring checks that no figure is left open in this process
 
 
 # ----------------------------------------------------------------------- checkpoints
