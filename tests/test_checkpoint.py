@@ -173,20 +173,26 @@ def test_a_writer_dying_mid_write_leaves_the_previous_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_at_any_moment_leaves_a_loadable_checkpoint(tmp_path):
-    for delay in (0.3, 0.7, 1.1):
-        directory = tmp_path / f"run-{delay}"
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(directory), "loop"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
+    # Three writers side by side (each start imports torch: a few seconds), each killed at its
+    # own moment after its first checkpoint.
+    delays = (0.3, 0.7, 1.1)
+    procs = {delay: subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path / f"run-{delay}"), "loop"],
+        stdout=subprocess.PIPE, text=True) for delay in delays}  # fmt: skip
+    try:
+        ready = {}
+        for delay, proc in procs.items():
             assert proc.stdout.readline().strip() == "saved step 1"
-            time.sleep(delay)
-        finally:
-            proc.send_signal(signal.SIGKILL)
+            ready[delay] = time.monotonic()
+        for delay in sorted(delays, key=lambda d: ready[d] + d):
+            time.sleep(max(0.0, ready[delay] + delay - time.monotonic()))
+            procs[delay].send_signal(signal.SIGKILL)
+    finally:
+        for proc in procs.values():
+            proc.kill()
             proc.wait(timeout=TIMEOUT)
-        step, value = _latest_weight_value(directory)
+    for delay in delays:
+        step, value = _latest_weight_value(tmp_path / f"run-{delay}")
         assert value == float(step) and step >= 1
 
 
