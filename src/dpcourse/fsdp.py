@@ -100,7 +100,8 @@ class FSDP(nn.Module):
                   if any(id(p) not in sharded for p in m.parameters(recurse=False))}
         self.layers = [ShardedLayer.shard(n, modules[n], self.rank, self.world_size,
                                           compute_dtype) for n in names]
-        self.comm = CommThread(devices[0] if devices else None)
+        self.device = torch.device(devices[0] if devices else "cpu")
+        self.comm = CommThread(self.device)
         self._order: list[ShardedLayer] = []  # forward order, recorded by the first forward
         self._recorded = False
         self._pending: list[CommWork] = []  # reduce-scatters submitted in this backward
@@ -109,7 +110,7 @@ class FSDP(nn.Module):
         self._seen: dict[nn.Parameter, tuple[bool, torch.Tensor | None]] = {}
         self._needs_sync = False
         # any rank's gradients not finite (an fp16 overflow): on the device, no host sync
-        self._nonfinite = torch.zeros((), dtype=torch.bool, device=devices[0] if devices else None)
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         for layer in self.layers:
             layer.module.register_forward_pre_hook(self._pre_forward(layer))
             layer.module.register_forward_hook(self._post_forward(layer))
@@ -212,7 +213,7 @@ class FSDP(nn.Module):
             self._pending.append(self.comm.submit(_all_reduce_grads, self.replicated,
                                                   self.world_size, stream="reduce-scatter"))
         # one message: this rank's overflow (1: not finite) and, per parameter, "used here"
-        flags = torch.ones(1 + len(used), dtype=torch.uint8, device=self._nonfinite.device)
+        flags = torch.ones(1 + len(used), dtype=torch.uint8, device=self.device)
         flags[0] = self._nonfinite
         if not all(used):
             flags[1:] = torch.tensor(used, dtype=torch.uint8).to(flags.device)  # rare: a copy

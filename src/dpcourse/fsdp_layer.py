@@ -135,9 +135,9 @@ class CommThread:
     def submit(self, fn: Callable[..., Any], *args: Any, stream: str = "all-gather") -> CommWork:
         """Run ``fn(*args)`` on the thread (on a GPU, on the stream named ``stream``)."""
         counters = active_counters()
-        side = self.streams.get(stream) if self.streams else None
-        if self.streams and side is None:
+        if stream not in STREAMS:
             raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+        side = self.streams.get(stream)  # None on the CPU
         ready = None
         if side is not None:
             caller = torch.cuda.current_stream(self.device)

@@ -15,13 +15,18 @@ Chapter 9: FSDP's streams on a GPU.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from dpcourse import runtime
 from dpcourse.bench import zero as zero_bench
 from dpcourse.bench.fsdp import LR
+from dpcourse.fsdp import FSDP
 
 __all__ = ["STREAM_ROWS", "stream_trace_on_rank", "stream_overlap"]
 
@@ -78,14 +83,6 @@ def stream_trace_on_rank(prefetch: bool = True, batch: int = 64, width: int = 10
     through host memory) or "other kernel"; times are from the step's first GPU work. The trace
     numbers streams its own way: before the step, one spin kernel on each stream, in the order
     of :data:`STREAM_ROWS`, names them. Chapter 9 plots it (:func:`stream_overlap` sums it)."""
-    import json
-    import tempfile
-
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
-
-    from dpcourse.fsdp import FSDP
-
     device = runtime.device()
     if device.type != "cuda":
         raise RuntimeError(f"stream_trace_on_rank profiles CUDA streams; this rank is on "
