@@ -40,7 +40,7 @@ NBXDIST = $(if $(filter 0,$(NOTEBOOK_JOBS)),,-n $(NOTEBOOK_JOBS) --dist loadfile
 # many threads as there are cores fight over them. Chapter 1 uses torch's default threads, and
 # next to another notebook its Transformer cell took 95 s instead of 9 s. Measured on the 2-core
 # CI machine: all notebooks 300 s -> 252 s, the unit tests 395 s -> 332 s. Rank processes set
-# their own threads (dpcourse.launch); THREADS= (empty) leaves torch's default.
+# their own threads (dpcourse.harness.launch); THREADS= (empty) leaves torch's default.
 THREADS ?= 1
 OMP = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS),)
 # This machine sets PYTHONDONTWRITEBYTECODE=1: every new interpreter (a kernel, a fork server, a
@@ -94,7 +94,7 @@ $(EXECUTED)/chapters: $(wildcard chapters/*.ipynb) $(shell find src -name '*.py'
 # uses one core); the student build's log follows the other's.
 site: $(STAMP) vendor
 	@rm -rf _build/html/reports
-	$(BIN)/python -m dpcourse.exercises edition --executed $(EXECUTED) --out _build/full
+	$(BIN)/python -m dpcourse.harness.exercises edition --executed $(EXECUTED) --out _build/full
 	@status=0; \
 	$(MAKE) --no-print-directory student-site > _build/student-site.log 2>&1 & student=$$!; \
 	$(BIN)/jupyter-book build _build/full --path-output . --all -W --keep-going || status=1; \
@@ -109,8 +109,8 @@ site: $(STAMP) vendor
 # website in _build/student/_build/html, rendered from the executed notebooks (solutions and
 # their outputs removed; the checks of the stubs say "not attempted").
 student-site: $(STAMP)
-	$(BIN)/python -m dpcourse.exercises student --out _build/student
-	$(BIN)/python -m dpcourse.exercises student --executed $(EXECUTED) --out _build/student-executed
+	$(BIN)/python -m dpcourse.harness.exercises student --out _build/student
+	$(BIN)/python -m dpcourse.harness.exercises student --executed $(EXECUTED) --out _build/student-executed
 	$(BIN)/jupyter-book build _build/student-executed --path-output _build/student --all -W \
 	  --keep-going
 	@echo "Student website: _build/student/_build/html/index.html; notebooks: _build/student/chapters/"
@@ -122,7 +122,7 @@ SUBMISSIONS ?= submissions
 OUT ?= scores.csv
 GRADESCOPE ?= gradescope
 grade: $(STAMP)
-	$(BIN)/python -m dpcourse.exercises grade $(SUBMISSIONS) --out $(OUT) --gradescope $(GRADESCOPE)
+	$(BIN)/python -m dpcourse.harness.exercises grade $(SUBMISSIONS) --out $(OUT) --gradescope $(GRADESCOPE)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests chapters
@@ -156,7 +156,7 @@ browser-test: $(STAMP)
 gpu-check: $(if $(wildcard $(BIN)/python),$(STAMP))
 	BIN=$(BIN) bash tools/gpu_check.sh
 
-# The notebooks under the device audit (dpcourse.device_audit): on this CPU, the notebook and its
+# The notebooks under the device audit (dpcourse.harness.device_audit): on this CPU, the notebook and its
 # ranks put their tensors where a machine with GPUs would, and a cell fails where that machine
 # would (a batch left on the host, a host tensor in an NCCL collective, a GPU tensor in gloo's
 # send). Once per machine of AUDIT_MACHINES: a GPU per rank (NCCL) runs every notebook; one GPU
@@ -167,6 +167,10 @@ gpu-check: $(if $(wildcard $(BIN)/python),$(STAMP))
 # 6.9 -> 12.1 ms). Not part of `make test`, which runs each notebook once; CI (.ci/run) runs it
 # after make test. tests/test_device_audit.py (in `make test`) checks the audit itself.
 AUDIT_MACHINES ?= gpu-per-rank one-gpu two-gpus
+# The device audit's sitecustomize: on PYTHONPATH, it starts the audit in every Python process the
+# audit's runs start (the notebooks' kernels, fork servers, torchrun's workers), where
+# DPCOURSE_DEVICE_AUDIT asks for it; lesson code never imports the audit.
+AUDIT_SITE := PYTHONPATH=$(CURDIR)/src/dpcourse/harness/device_audit/site$${PYTHONPATH:+:$$PYTHONPATH}
 RANK_NOTEBOOKS := $(shell grep -l 'run_ranks\|RankPool\|run_torchrun\|bug_hunt' chapters/*.ipynb)
 AUDIT_NOTEBOOKS_gpu-per-rank := chapters
 AUDIT_NOTEBOOKS_one-gpu := $(RANK_NOTEBOOKS)
@@ -181,7 +185,7 @@ audit: $(STAMP)
 	    *) echo "AUDIT_MACHINES: no machine $$machine (gpu-per-rank, one-gpu, two-gpus)"; exit 2;; \
 	  esac; \
 	  echo "== the device audit, modelling $$machine: $$notebooks"; t=$$(date +%s); \
-	  $(OMP) DPCOURSE_DEVICE_AUDIT=$$machine DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 \
+	  $(OMP) $(AUDIT_SITE) DPCOURSE_DEVICE_AUDIT=$$machine DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 \
 	    $(BIN)/python -m pytest $$notebooks $(NBVAL) $(NBXDIST) -p no:cacheprovider $(PYTEST_ARGS) \
 	    || failed="$$failed $$machine"; \
 	  echo "== $$machine took $$(( $$(date +%s) - t )) s"; \
@@ -205,7 +209,7 @@ AUDIT_QUICK_NOTEBOOKS ?= chapters/05_collectives.ipynb chapters/06_ring_all_redu
 	chapters/07_ddp.ipynb chapters/08_training_at_scale.ipynb chapters/09_sharded_optimizers.ipynb \
 	chapters/diagnosis_lab.ipynb
 audit-quick: $(STAMP)
-	$(OMP) DPCOURSE_DEVICE_AUDIT=gpu-per-rank DPCOURSE_AUDIT_PLAN="$(AUDIT_PLAN)" \
+	$(OMP) $(AUDIT_SITE) DPCOURSE_DEVICE_AUDIT=gpu-per-rank DPCOURSE_AUDIT_PLAN="$(AUDIT_PLAN)" \
 	  DPCOURSE_NO_CLUSTER=1 DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python -m pytest \
 	  $(AUDIT_QUICK_NOTEBOOKS) $(NBVAL) $(NBXDIST) -p no:cacheprovider $(PYTEST_ARGS)
 
@@ -217,13 +221,13 @@ AUDIT_TESTS ?= tests
 audit-unit: $(STAMP)
 	@failed=""; for machine in $(AUDIT_MACHINES); do \
 	  echo "== the unit tests under the device audit, modelling $$machine"; \
-	  $(OMP) DPCOURSE_DEVICE_AUDIT=$$machine $(BIN)/python -m pytest $(AUDIT_TESTS) $(XDIST) \
+	  $(OMP) $(AUDIT_SITE) DPCOURSE_DEVICE_AUDIT=$$machine $(BIN)/python -m pytest $(AUDIT_TESTS) $(XDIST) \
 	    -p no:cacheprovider $(PYTEST_ARGS) || failed="$$failed $$machine"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "make audit-unit failed on:$$failed"; exit 1; fi
 
 bench: $(STAMP)
-	$(BIN)/python -m dpcourse.bench launch
+	$(BIN)/python -m dpcourse.harness.bench launch
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab chapters/

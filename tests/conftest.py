@@ -26,7 +26,7 @@ SHARED_WORLD_SIZES = (2, 3, 4)
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_rank_pools():
-    from dpcourse.launch import RankPool
+    from dpcourse.harness.launch import RankPool
 
     pools = {n: RankPool(n).start(lazy=True) for n in SHARED_WORLD_SIZES}
     yield pools

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpcourse import mixed_precision, train
-from dpcourse.mixed_precision import choose_amp
+from dpcourse.practice import mixed_precision, train
+from dpcourse.practice.mixed_precision import choose_amp
 
 
 @pytest.fixture

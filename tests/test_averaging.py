@@ -1,4 +1,4 @@
-"""Tests for dpcourse.averaging: gradient averaging through a CPU master, uneven shards,
+"""Tests for dpcourse.replicas.averaging: gradient averaging through a CPU master, uneven shards,
 parameter averaging and BatchNorm statistics."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import averaging, data, models, replication
-from dpcourse.parameter_averaging import average_parameters, train_parameter_averaging
-from dpcourse.replica_batchnorm import batchnorm_statistics
+from dpcourse.one_device import data, models
+from dpcourse.replicas import averaging, replication
+from dpcourse.replicas.parameter_averaging import average_parameters, train_parameter_averaging
+from dpcourse.replicas.replica_batchnorm import batchnorm_statistics
 
 mse = nn.functional.mse_loss
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from dpcourse import bug_hunt, bug_hunt_seed
-from dpcourse.data import PAD
-from dpcourse.launch import run_ranks
-from dpcourse.lr_schedule import noam_lr
+from dpcourse.debugging import bug_hunt, bug_hunt_seed
+from dpcourse.harness.launch import run_ranks
+from dpcourse.one_device.data import PAD
+from dpcourse.practice.lr_schedule import noam_lr
 
 
 def test_the_seed_schedule_starts_at_zero_and_the_fix_does_not():

@@ -1,4 +1,5 @@
-"""dpcourse.checkpoint: atomic files, crash safety, and resuming on the exact same trajectory."""
+"""dpcourse.practice.checkpoint: atomic files, crash safety, and resuming on the exact same
+trajectory."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import time
 import pytest
 import torch
 
-from dpcourse import checkpoint as C
-from dpcourse.launch import RankError, run_ranks
+from dpcourse.harness.launch import RankError, run_ranks
+from dpcourse.practice import checkpoint as C
 
 TIMEOUT = 120.0
 
@@ -121,7 +122,7 @@ def test_rng_state_roundtrip_covers_python_and_numpy(tmp_path):
 WRITER = textwrap.dedent(
     """
     import os, sys, torch
-    from dpcourse import checkpoint as C
+    from dpcourse.practice import checkpoint as C
     directory, mode = sys.argv[1], sys.argv[2]
     model = torch.nn.Linear(1000, 1000)          # 4 MB of parameters: a write takes a while
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -202,9 +203,9 @@ def _train_on_ranks(directory, total_steps, save_at, resume, restore_rng=True, s
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from dpcourse import checkpoint as C
     from dpcourse import runtime
-    from dpcourse.data import random_regression
+    from dpcourse.one_device.data import random_regression
+    from dpcourse.practice import checkpoint as C
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = runtime.device()  # a GPU where there is one: dropout then draws from its generator

@@ -14,10 +14,11 @@ import time
 
 import pytest
 
-from dpcourse import cluster as cl
-from dpcourse._launch import netns
-from dpcourse.cluster import ClusterUnavailable, EmulatedCluster
-from dpcourse.launch import RankError, RankPool, run_ranks
+from dpcourse.cost import hardware
+from dpcourse.harness import cluster as cl
+from dpcourse.harness import netns
+from dpcourse.harness.cluster import ClusterUnavailable, EmulatedCluster
+from dpcourse.harness.launch import RankError, RankPool, run_ranks
 
 try:
     cl.check_available()
@@ -61,10 +62,10 @@ def transfer_seconds(nbytes: int) -> float:
 
 
 def test_rates_parse_and_bad_ones_say_what_to_write():
-    assert cl.rate_bits("1gbit") == 1e9 and cl.rate_bits("400mbit") == 4e8
-    assert cl.rate_bits("2.5Gbit") == 2.5e9 and cl.rate_bits("800kbit") == 8e5
+    assert hardware.rate_bits("1gbit") == 1e9 and hardware.rate_bits("400mbit") == 4e8
+    assert hardware.rate_bits("2.5Gbit") == 2.5e9 and hardware.rate_bits("800kbit") == 8e5
     with pytest.raises(ValueError, match="'1gbit', '400mbit'"):
-        cl.rate_bits("1 GB/s")
+        hardware.rate_bits("1 GB/s")
     with pytest.raises(ValueError, match="nodes must be an int"):
         EmulatedCluster(0)
 
@@ -153,7 +154,7 @@ def test_nothing_is_left_after_an_exception_or_a_killed_rank_and_pools_close_wit
 
 KILLED_CALLER = """
 import os, sys, time
-from dpcourse.cluster import EmulatedCluster
+from dpcourse.harness.cluster import EmulatedCluster
 c = EmulatedCluster(2).start()
 print(c.tag, flush=True)
 time.sleep(600)
@@ -198,7 +199,7 @@ def test_the_two_level_all_reduce_runs_across_emulated_nodes():
 
 @needs_cluster
 def test_bench_cluster_sets_each_algorithm_beside_the_model(tmp_path, capsys):
-    from dpcourse import bench
+    from dpcourse.harness import bench
 
     out = tmp_path / "cluster.json"
     assert bench.main(["cluster", "--nodes", "2", "--link", "400mbit", "--sizes", "1048576",
@@ -216,7 +217,7 @@ def test_bench_cluster_sets_each_algorithm_beside_the_model(tmp_path, capsys):
 def test_bench_hierarchical_reports_both_beside_the_model_and_the_speed_ups(capsys):
     """The report, on a made-up result (chapter 10's notebook measures the real thing with
     measure_two_level, in every book build where the cluster can be built)."""
-    from dpcourse.bench import hierarchical
+    from dpcourse.harness.bench import hierarchical
 
     hierarchical.report({
         "nodes": 2, "ranks_per_node": 2, "link": "400mbit", "node_link": None,

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dpcourse import collectives as C
 from dpcourse import runtime
 from dpcourse.collectives.ops import chunk_bounds
-from dpcourse.launch import RankError, run_ranks
+from dpcourse.harness.launch import RankError, run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -210,7 +210,8 @@ def test_bad_input_gives_clear_errors_on_every_rank():
 
 def no_library_collective() -> list[str]:
     """Every library collective raises here: ours, shape check included, must not need one."""
-    from dpcourse.collectives.p2p import library_collectives_forbidden, posts_ahead
+    from dpcourse.collectives.p2p import posts_ahead
+    from dpcourse.harness.patching import library_collectives_forbidden
 
     problems = []
     x = torch.arange(7.0, device=runtime.device())

@@ -10,10 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpcourse import runtime, simulate
+from dpcourse import runtime
 from dpcourse.collectives import count_traffic
 from dpcourse.collectives import hierarchical as H
-from dpcourse.launch import run_ranks
+from dpcourse.cost import simulate
+from dpcourse.harness.launch import run_ranks
 
 # Each dtype with the ops the library has for it ("mean": floating point only). The reduction
 # op is one line of the ring's code, so max and min need not run in every dtype.
@@ -121,7 +122,7 @@ def check_layout(k: int, groups: H.NodeGroups) -> list[str]:
             failures.append(f"{layout}: skipping step 2 went unnoticed")
 
     # No library collective: each raises while the all-reduce runs.
-    from dpcourse.collectives.p2p import library_collectives_forbidden
+    from dpcourse.harness.patching import library_collectives_forbidden
 
     try:
         with library_collectives_forbidden():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dpcourse import collectives as C
 from dpcourse import runtime
 from dpcourse.collectives.ops import chunk_bounds
-from dpcourse.launch import RankPool
+from dpcourse.harness.launch import RankPool
 
 
 def check_case(n: int, seed: int, op: str, root: int) -> list[str]:

@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from dpcourse import commbench, costmodel
-from dpcourse.launch import run_ranks
+from dpcourse.collectives import commbench
+from dpcourse.cost import costmodel
+from dpcourse.harness.launch import run_ranks
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8, 1000])

@@ -1,11 +1,12 @@
-"""Tests for dpcourse.data: seeded data sets, the digits-to-words vocabulary, sharding."""
+"""Tests for dpcourse.one_device.data: seeded data sets, the digits-to-words vocabulary,
+sharding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dpcourse import data
+from dpcourse.one_device import data
 
 
 # ----------------------------------------------------------------------- random_regression

@@ -1,4 +1,4 @@
-"""Tests for dpcourse.dataparallel: chapter 2's experiments around nn.DataParallel."""
+"""Tests for dpcourse.replicas.dataparallel: chapter 2's experiments around nn.DataParallel."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import dataparallel, models, replication, runtime
+from dpcourse import runtime
+from dpcourse.one_device import models
+from dpcourse.replicas import dataparallel, replication
 
 mse = nn.functional.mse_loss
 
@@ -52,7 +54,8 @@ def test_split_experiment_reproduces_the_tutorial(n, sizes):
     assert len(lines) == len(sizes) + 1
     assert lines[0].startswith("  In Model: input size torch.Size([")
     if runtime.gpu_count() < n:
-        assert report.how.startswith("dpcourse.replication") and "this machine has" in report.how
+        assert report.how.startswith("dpcourse.replicas.replication")
+        assert "this machine has" in report.how
     else:
         assert report.how.startswith("nn.DataParallel")
 

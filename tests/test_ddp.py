@@ -1,4 +1,4 @@
-"""DDP from scratch (dpcourse.ddp) against single-process training and torch's DDP.
+"""DDP from scratch (dpcourse.ddp.ddp) against single-process training and torch's DDP.
 
 Each world size is one launch: the rank function trains every variant and returns what failed,
 so that a failure names the variant and the parameter instead of hiding in a rank. These runs use
@@ -24,10 +24,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dpcourse import data, ddp, models, runtime
-from dpcourse.bench.ddp import timed_backward
-from dpcourse.buckets import MB, bucket_assignment
-from dpcourse.launch import run_ranks
+from dpcourse import runtime
+from dpcourse.ddp import ddp, timeline
+from dpcourse.ddp.buckets import MB, bucket_assignment
+from dpcourse.ddp.timeline import timed_backward
+from dpcourse.harness.launch import run_ranks
+from dpcourse.one_device import data, models
 
 STEPS, LR, BATCH = 6, 0.1, 24  # BATCH: the global batch, divisible by 2 and 4 ranks
 RTOL, ATOL = 1e-5, 1e-6
@@ -486,7 +488,7 @@ def test_ddp_on_gpu_equals_torch_ddp():
 
 def test_bench_ddp_reports_every_variant(capsys):
     """The benchmark's plumbing (not its timings): every variant, a ratio to torch DDP."""
-    from dpcourse.bench import ddp as bench
+    from dpcourse.harness.bench import ddp as bench
 
     result = bench.bench_ddp(2, repeats=2, warmup=0, batch=4, model_names=["transformer"])
     assert [r["variant"] for r in result["rows"]] == list(bench.DEFAULT_VARIANTS)
@@ -507,12 +509,12 @@ def test_wrap_names_its_variants():
 def test_paired_median_and_recorded_timelines():
     from dataclasses import asdict
 
-    from dpcourse.bench import ddp as ddp_bench
+    from dpcourse.harness.bench import ddp as ddp_bench
 
     times = {"a": [1.0, 5.0, 2.0], "b": [0.5, 4.0, 1.9]}  # each round's difference: .5, 1, .1
     assert ddp_bench.paired_median(times, "a", "b") == pytest.approx(0.5)
-    t = ddp_bench.StepTimeline(0.03, 0.07, [ddp_bench.BucketTiming(0, 64, 0.01, 0.05)])
-    assert ddp_bench.timelines_from_json({"overlap=True": asdict(t)}) == {"overlap=True": t}
+    t = timeline.StepTimeline(0.03, 0.07, [timeline.BucketTiming(0, 64, 0.01, 0.05)])
+    assert timeline.timelines_from_json({"overlap=True": asdict(t)}) == {"overlap=True": t}
 
 
 def _torch_arguments_on_rank() -> dict:

@@ -1,4 +1,5 @@
-"""The device audit (dpcourse.device_audit): on this CPU, ranks behave as on a machine with a GPU
+"""The device audit (dpcourse.harness.device_audit): on this CPU, ranks behave as on a machine with
+a GPU
 per rank and NCCL, and fail where that machine would.
 
 The audit's own rules are tested in ranks started with ``DPCOURSE_DEVICE_AUDIT=1``; then chapter
@@ -20,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpcourse import device_audit
-from dpcourse._launch.job import host_dumps
-from dpcourse.launch import RankError, RankPool
+from dpcourse.harness import device_audit
+from dpcourse.harness.launch import RankError, RankPool
+from dpcourse.harness.launch.job import host_dumps
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTER_9 = ROOT / "chapters" / "09_sharded_optimizers.ipynb"
@@ -145,7 +146,9 @@ def test_cluster_ranks_run_gloo_and_still_check_devices(monkeypatch):
 def test_the_notebook_kernel_is_audited_outside_a_process_group():
     code = (
         "import torch\n"
-        "from dpcourse import device_audit, models, runtime\n"
+        "from dpcourse import runtime\n"
+        "from dpcourse.harness import device_audit\n"
+        "from dpcourse.one_device import models\n"
         "assert device_audit.enabled() and runtime.device() is device_audit.DEVICE\n"
         "model = models.MLP(5, 8, 2).to(runtime.device())\n"
         "try:\n"
@@ -153,7 +156,9 @@ def test_the_notebook_kernel_is_audited_outside_a_process_group():
         "except device_audit.DeviceAuditError as exc:\n"
         "    print('caught', exc)\n"
     )
-    env = dict(os.environ, **{device_audit.ENV: "1"})
+    # as `make audit` starts a kernel: the audit's sitecustomize on the path, nothing in the code
+    path = os.pathsep.join([device_audit.SITE, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, **{device_audit.ENV: "1", "PYTHONPATH": path})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -173,14 +178,16 @@ def _chapter_9_definitions() -> str:
 
 def _define(source: str) -> dict:
     namespace = {"__name__": "chapter_9_cell"}  # not importable: the ranks get it by value
-    exec("import torch\nfrom dpcourse import data, models, runtime\n" + source, namespace)
+    exec("import torch\nfrom dpcourse import runtime\nfrom dpcourse.one_device import data, "
+        "models\n"
+         + source, namespace)
     return namespace
 
 
 def _ddp_step_on_rank(make_transformer, digits_batch):
     from torch.nn.parallel import DistributedDataParallel
 
-    from dpcourse import models
+    from dpcourse.one_device import models
 
     model = DistributedDataParallel(make_transformer())
     *inputs, target = digits_batch(0, dist.get_rank())
@@ -239,7 +246,7 @@ def test_each_machine_gets_its_backend(monkeypatch):
 def _unstaged():
     """torch.distributed's point-to-point functions without the host staging of
     dpcourse.shared_gpu: what a rank had before it (the audit's guards stay)."""
-    from dpcourse._patching import replaced
+    from dpcourse.harness.patching import replaced
 
     return replaced(dict.fromkeys(("send", "recv", "isend", "irecv"),
                                   lambda staged: getattr(staged, "__wrapped__", staged)))
@@ -327,7 +334,8 @@ def test_one_rank_on_one_gpu_is_nccl_and_takes_no_host_tensor(monkeypatch):
 
 
 def _checkpoint_on_rank(directory):
-    from dpcourse import checkpoint, runtime
+    from dpcourse import runtime
+    from dpcourse.practice import checkpoint
 
     model = torch.nn.Linear(3, 2).to(runtime.device())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -404,7 +412,7 @@ def test_ex_7_hook_judges_by_what_the_backend_writes(monkeypatch):
     bumps it too (test above); the check now allows the backend's own bump, measured first."""
     from test_exercises_ch07 import divide_after_launching, launch_reference
 
-    from dpcourse.exercises import run_check
+    from dpcourse.harness.exercises import run_check
 
     monkeypatch.setenv(device_audit.ENV, "one-gpu")
     assert run_check("ex-7-hook", launch_reference).passed

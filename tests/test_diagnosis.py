@@ -6,9 +6,10 @@ import re
 
 import pytest
 
-from dpcourse import diagnosis
-from dpcourse.diagnosis import AllReduceTiming, colleague_reports
-from dpcourse.launch import run_ranks
+from dpcourse.debugging import diagnosis
+from dpcourse.debugging.diagnosis import AllReduceTiming, colleague_reports
+from dpcourse.harness.bench import diagnosis as lab_runs
+from dpcourse.harness.launch import run_ranks
 
 
 def test_the_training_loop_times_every_step_after_the_warm_up():
@@ -20,7 +21,7 @@ def test_the_training_loop_times_every_step_after_the_warm_up():
 
 
 def test_a_straggler_computes_longer_and_the_others_wait_for_it_in_the_all_reduce():
-    times = diagnosis.reproduce_straggler(steps=8)
+    times = lab_runs.reproduce_straggler(steps=8)
     delay, slow = diagnosis.STRAGGLER_DELAY_S, diagnosis.STRAGGLER_RANK
     others = [r for r in range(diagnosis.LAB_WORLD_SIZE) if r != slow]
     assert times.compute[slow] >= delay  # it slept that long before its all-reduce, every step
@@ -31,7 +32,7 @@ def test_a_straggler_computes_longer_and_the_others_wait_for_it_in_the_all_reduc
 
 
 def test_a_skipped_all_reduce_hangs_the_others_until_the_timeout():
-    report = diagnosis.reproduce_hang(timeout=3.0)
+    report = lab_runs.reproduce_hang(timeout=3.0)
     assert report.finished == [diagnosis.SKIPPING_RANK]
     assert report.stalled == [0, 2]
     for r in report.stalled:
@@ -49,7 +50,7 @@ def test_the_hang_needs_the_skip():
 
 @pytest.mark.slow
 def test_small_buckets_run_measures_one_process_both_ddps_and_the_all_reduces():
-    run = diagnosis.reproduce_small_buckets(repeats=3)
+    run = lab_runs.reproduce_small_buckets(repeats=3)
     assert run.all_reduces == {"DDP cap 0": 69, "DDP": 1}  # the TinyTransformer's 69 tensors
     assert run.grad_bytes == 4 * 172_237
     assert set(run.ddp) == {"DDP cap 0", "DDP"}
@@ -76,6 +77,6 @@ def test_the_colleagues_reports_carry_one_known_mistake_each():
 
 
 def test_measure_all_reduce_times_the_library_all_reduce_on_four_ranks():
-    t = diagnosis.measure_all_reduce(nbytes=2**16, repeats=3)
+    t = lab_runs.measure_all_reduce(nbytes=2**16, repeats=3)
     assert t.world_size == diagnosis.BANDWIDTH_WORLD_SIZE == 4
     assert t.nbytes == 2**16 and 0 < t.seconds < 5

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from dpcourse import diagnosis, diagnosis_tools
-from dpcourse.diagnosis import SKIPPING_RANK, busbw_ceiling
-from dpcourse.launch import run_ranks
-from dpcourse.models import MLP
+from dpcourse.debugging import diagnosis, diagnosis_tools
+from dpcourse.debugging.diagnosis import SKIPPING_RANK, busbw_ceiling
+from dpcourse.harness.bench import diagnosis as lab_runs
+from dpcourse.harness.launch import run_ranks
+from dpcourse.one_device.models import MLP
 
 
 def _gradient_length(width: int) -> int:
@@ -17,18 +18,18 @@ def _gradient_length(width: int) -> int:
 
 def test_detail_names_the_mismatched_shapes_that_plain_gloo_does_not():
     narrow, wide = _gradient_length(255), _gradient_length(256)
-    with_detail = diagnosis_tools.reproduce_mismatch(detail=True)
+    with_detail = lab_runs.reproduce_mismatch(detail=True)
     assert not with_detail.error and len(with_detail.outcomes) == diagnosis.LAB_WORLD_SIZE
     for outcome in with_detail.outcomes:
         assert "Detected mismatch between collectives" in outcome
         assert f"TensorShape=[{narrow}]" in outcome and f"TensorShape=[{wide}]" in outcome
-    plain = diagnosis_tools.reproduce_mismatch(detail=False)
+    plain = lab_runs.reproduce_mismatch(detail=False)
     assert plain.error or any(o != "finished" for o in plain.outcomes)  # it fails either way
     assert "TensorShape" not in plain.text() and "Detected mismatch" not in plain.text()
 
 
 def test_detail_turns_the_skipped_collective_into_an_error_naming_the_rank():
-    run = diagnosis_tools.reproduce_skip(detail=True)
+    run = lab_runs.reproduce_skip(detail=True)
     assert not run.error
     assert run.outcomes[SKIPPING_RANK] == "finished"
     assert f"Ranks {SKIPPING_RANK} failed to pass monitoredBarrier" in run.outcomes[0]
@@ -38,7 +39,7 @@ def test_detail_turns_the_skipped_collective_into_an_error_naming_the_rank():
 
 @pytest.mark.slow
 def test_the_flight_recorder_shows_which_rank_missed_which_collective():
-    run = diagnosis_tools.reproduce_skip(records=20)
+    run = lab_runs.reproduce_skip(records=20)
     assert run.outcomes[SKIPPING_RANK] == "finished"
     assert sorted(run.records) == [0, 1, 2]
     for rank, records in run.records.items():
@@ -73,11 +74,11 @@ def test_gloo_has_no_per_collective_duration():
 
 
 def test_busbw_ceiling_is_the_link_rate_unless_the_switch_adds():
-    link = 450e9  # NVLink 4 each way (scaling.NVLINK4)
+    link = 450e9  # NVLink 4 each way (hardware.NVLINK4)
     assert busbw_ceiling(link, 8) == link
     assert busbw_ceiling(link, 8, in_network=True) == pytest.approx(link * 1.75)
     # the busbw a ring would report if each rank moved only S each way in S / link seconds
-    from dpcourse.commbench import bus_bandwidth
+    from dpcourse.collectives.commbench import bus_bandwidth
 
     assert bus_bandwidth(2**30, 2**30 / link, 8) == pytest.approx(busbw_ceiling(link, 8, True))
     assert busbw_ceiling(link, 8) < 460e9 < 480e9 < busbw_ceiling(link, 8, in_network=True)

@@ -1,4 +1,4 @@
-"""The editions rendered from executed notebooks (dpcourse.exercises.student): the student
+"""The editions rendered from executed notebooks (dpcourse.harness.exercises.student): the student
 website shows what running its notebooks would show, without running them again."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from dpcourse.exercises.core import display_output, not_attempted, registry, run_check
-from dpcourse.exercises.student import (
+from dpcourse.harness.exercises.core import display_output, not_attempted, registry, run_check
+from dpcourse.harness.exercises.student import (
     copy_book,
     make_executed_edition,
     make_student_edition,

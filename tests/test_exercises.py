@@ -12,15 +12,15 @@ import nbformat
 import pytest
 import torch
 
-from dpcourse import memory
-from dpcourse.exercises import check, core, grading, registry, run_check
-from dpcourse.exercises.core import Mismatch, call_learner, expect_close
-from dpcourse.exercises.student import (
+from dpcourse.harness.exercises import check, core, grading, registry, run_check
+from dpcourse.harness.exercises.core import Mismatch, call_learner, expect_close
+from dpcourse.harness.exercises.student import (
     make_student_edition,
     solution_lines,
     strip_solution_code,
     strip_solution_directives,
 )
+from dpcourse.one_device import memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -209,7 +209,7 @@ def chapter1_submission(body: str) -> nbformat.NotebookNode:
     nb.cells = [
         nbformat.v4.new_markdown_cell("```{exercise} x\n:label: ex-1-max-batch\n```"),
         nbformat.v4.new_code_cell(
-            "from dpcourse import memory\nfrom dpcourse.exercises import check"
+            "from dpcourse.one_device import memory\nfrom dpcourse.harness.exercises import check"
         ),
         *[nbformat.v4.new_code_cell(textwrap.dedent(c)) for c in body.split("# ---\n")],
     ]
@@ -334,7 +334,7 @@ def test_grading_a_folder(tmp_path, monkeypatch):
 def test_grade_command_writes_gradescope_results(tmp_path, monkeypatch, capsys):
     """`grade --gradescope DIR` (make grade) writes a results.json per notebook;
     `--gradescope-file FILE` (an autograder's run_autograder) one for everything graded."""
-    from dpcourse.exercises.__main__ import main
+    from dpcourse.harness.exercises.__main__ import main
 
     rows = [
         grading.GradeRow(str(tmp_path / "s" / "01.ipynb"), 1, "ex-1-batch", "passed", 1, ""),

@@ -6,10 +6,10 @@ import torch
 import torch.nn as nn
 from torch.utils.data import default_collate
 
-from dpcourse import bug_hunt, bug_hunt_seed
-from dpcourse.data import EOS, PAD
-from dpcourse.exercises import registry, run_check
-from dpcourse.lr_schedule import noam_lr
+from dpcourse.debugging import bug_hunt, bug_hunt_seed
+from dpcourse.harness.exercises import registry, run_check
+from dpcourse.one_device.data import EOS, PAD
+from dpcourse.practice.lr_schedule import noam_lr
 
 
 def failed(label: str, fn, *phrases: str) -> str:

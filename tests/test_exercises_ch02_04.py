@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse import averaging, parameter_averaging, replication, scatter_gather
-from dpcourse.exercises import ch02, registry, run_check
+from dpcourse.harness.exercises import ch02, registry, run_check
+from dpcourse.replicas import averaging, parameter_averaging, replication, scatter_gather
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = {2: "02_data_parallel_idea", 3: "03_manual_replication", 4: "04_naive_averaging"}

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from dpcourse import buckets, ddp
-from dpcourse.exercises import ch07, run_check
-from dpcourse.launch import RankPool
+from dpcourse.ddp import buckets, ddp
+from dpcourse.harness.exercises import ch07, run_check
+from dpcourse.harness.launch import RankPool
 
 
 @pytest.fixture
@@ -421,7 +421,7 @@ def test_bucketed_ddp_check_rejects(wrong, says, short_timeouts, pools):
 
 def test_bucketed_ddp_stub_is_not_attempted(short_timeouts, pools):
     """The student edition's class: its methods raise NotImplementedError inside backward."""
-    from dpcourse.exercises.core import not_attempted
+    from dpcourse.harness.exercises.core import not_attempted
 
     message = "Exercise ex-7-bucketed-ddp: write your solution here"
 

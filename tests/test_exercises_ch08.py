@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpcourse import checkpoint, lr_schedule, mixed_precision
-from dpcourse.exercises import ch08, run_check
+from dpcourse.harness.exercises import ch08, run_check
+from dpcourse.practice import checkpoint, lr_schedule, mixed_precision
 
 
 def expect_fail(label, fn, *phrases):
@@ -103,7 +103,7 @@ def test_amp_check_catches_missing_averaging(short_timeouts):
 
 # -------------------------------------------------------------------------- ex-8-syncbn
 def global_stats(x):
-    from dpcourse import syncbn
+    from dpcourse.practice import syncbn
 
     mean, var, _ = syncbn.global_batch_stats(x)
     return mean.double(), var.double()

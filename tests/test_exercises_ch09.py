@@ -7,8 +7,8 @@ import math
 import pytest
 import torch.distributed as dist
 
-from dpcourse import zero, zero_memory
-from dpcourse.exercises import ch09, run_check
+from dpcourse.harness.exercises import ch09, run_check
+from dpcourse.sharding import zero, zero_memory
 
 
 def remainder_to_last(numel, world_size, rank):
@@ -385,7 +385,7 @@ def leftover_rows_to_last(shapes, world):
 
 
 def test_fsdp_chunks_check():
-    from dpcourse.fsdp_layer import gather_chunk_numels
+    from dpcourse.sharding.fsdp_layer import gather_chunk_numels
 
     assert run_check("ex-9-fsdp-chunks", gather_chunk_numels).passed
     result = run_check("ex-9-fsdp-chunks", flat_chunks)
@@ -397,7 +397,7 @@ def test_fsdp_chunks_check():
 
 
 def test_fsdp_order_check():
-    from dpcourse.exercises.ch09 import BACKWARD_STEPS
+    from dpcourse.harness.exercises.ch09 import BACKWARD_STEPS
 
     right = list(BACKWARD_STEPS)
     assert run_check("ex-9-fsdp-order", lambda: right).passed

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dpcourse import costmodel, noise_scale, scaling
-from dpcourse.exercises import ch10, run_check
+from dpcourse.cost import costmodel, hardware, noise_scale, scaling
+from dpcourse.harness.exercises import ch10, run_check
 
 
 def _ring(n, nbytes, alpha, beta):
@@ -135,7 +135,7 @@ def test_tokens_to_hide_check_accepts_the_formula_and_names_three_slips():
     assert run_check("ex-10-hide", tokens_reference).passed
     # the question's answers (its solution's text): a node's 8 cards of 50 GB/s, one card
     node, card = ch10.HIDE_CASES[:2]
-    assert node[3] == scaling.cross_node_link(8).beta and card[3] == scaling.IB_NDR.beta
+    assert node[3] == scaling.cross_node_link(8).beta and card[3] == hardware.IB_NDR.beta
     assert round(tokens_reference(*node), -1) == 990 and round(tokens_reference(*card), -2) == 7900
     two = lambda p, n, w, b, f, m, o: tokens_reference(p, n, w, b, f, m, o) * n / (n - 1)  # noqa: E731
     result = run_check("ex-10-hide", two)

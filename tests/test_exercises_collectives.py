@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dpcourse import collectives as C
-from dpcourse.exercises import ch05, ch06, run_check
+from dpcourse.harness.exercises import ch05, ch06, run_check
 
 
 def linear_broadcast(t, src):
@@ -187,7 +187,7 @@ def test_the_overlap_exercise_solution_runs_and_times_with_the_device_clock(caps
     import re
     from pathlib import Path
 
-    from dpcourse.launch import run_ranks
+    from dpcourse.harness.launch import run_ranks
 
     notebook = Path(__file__).resolve().parents[1] / "chapters" / "05_collectives.ipynb"
     text = next(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dpcourse import diagnosis
-from dpcourse.exercises import registry, run_check
-from dpcourse.exercises.core import Exercise
+from dpcourse.debugging import diagnosis
+from dpcourse.harness.exercises import registry, run_check
+from dpcourse.harness.exercises.core import Exercise
 
 
 def answer(value):

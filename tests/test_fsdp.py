@@ -1,5 +1,5 @@
-"""Tests for dpcourse.fsdp: ZeRO-3 from scratch against single-process training on the full batch
-and against torch's FSDP2 (``fully_shard``), on 2, 3 and 4 ranks.
+"""Tests for dpcourse.sharding.fsdp: ZeRO-3 from scratch against single-process training on the
+full batch and against torch's FSDP2 (``fully_shard``), on 2, 3 and 4 ranks.
 
 The model's layers have 7, 9, 6 and 2 rows: no world size here divides them all, so every run
 has uneven shards (ranks with one row fewer; at 4 ranks the head's 2 rows leave two ranks
@@ -18,11 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcourse import runtime
-from dpcourse.bench.fsdp import fully_shard_placement
 from dpcourse.collectives import count_traffic, ring_all_reduce
-from dpcourse.launch import run_ranks
-from dpcourse.memory_measurement import optimizer_state_bytes
-from dpcourse.zero_memory import memory_per_rank
+from dpcourse.harness.bench.fsdp import fully_shard_placement
+from dpcourse.harness.launch import run_ranks
+from dpcourse.one_device.memory_measurement import optimizer_state_bytes
+from dpcourse.sharding.zero_memory import memory_per_rank
 
 STEPS = 5
 LAYERS = ["embed", "block1", "block2"]  # the head stays replicated in the fp32 runs
@@ -84,7 +84,7 @@ def train_single(world: int, steps: int = STEPS, frozen: bool = True, sgd: bool 
 
 def train_ours(layers=LAYERS, dtype=None, prefetch=True, sgd=False, device=None) -> dict:
     """Our FSDP, on ``device`` (the rank's, by default)."""
-    from dpcourse.fsdp import FSDP
+    from dpcourse.sharding.fsdp import FSDP
 
     fsdp = FSDP(make_net(device=device), layers=layers, compute_dtype=dtype, prefetch=prefetch)
     opt = make_opt(fsdp.parameters(), sgd)
@@ -178,7 +178,7 @@ def test_16_bit_compute_agrees_with_fully_shard_to_the_dtypes_rounding(runs, dty
 
 # --------------------------------------------------------- the comparison can fail
 def _broken_on_rank(how: str) -> float:
-    from dpcourse import fsdp_layer
+    from dpcourse.sharding import fsdp_layer
 
     original = fsdp_layer.ShardedLayer.reduce_scatter
 
@@ -214,7 +214,7 @@ def test_the_comparison_fails_without_the_reduce_scatter_or_the_average(how):
 
 # ------------------------------------------------------------------ memory and traffic
 def _memory_on_rank() -> dict:
-    from dpcourse.fsdp import FSDP
+    from dpcourse.sharding.fsdp import FSDP
 
     rank = dist.get_rank()
     out: dict = {"forward_peak": {}, "layer_bytes": {}}
@@ -296,7 +296,7 @@ def test_a_step_sends_one_and_a_half_times_ddps_bytes():
 
 # ---------------------------------------------------------------------------- errors
 def _errors_on_rank() -> dict:
-    from dpcourse.fsdp import FSDP
+    from dpcourse.sharding.fsdp import FSDP
 
     errors = {}
 
@@ -338,7 +338,7 @@ def test_bad_input_gets_errors_that_say_what_to_do():
 
 
 def test_no_process_group_is_a_clear_error():
-    from dpcourse.fsdp import FSDP
+    from dpcourse.sharding.fsdp import FSDP
 
     with pytest.raises(RuntimeError, match="no process group"):
         FSDP(make_net())
@@ -349,7 +349,7 @@ def _overflow_on_rank(how: str) -> dict:
     """Two fp16 steps with a GradScaler; in the first, the last rank's gradients overflow:
     ``"head row 0"``, an inf in the head's bias gradient, in the row that rank 0 owns (the last
     rank owns none of the head at 3 ranks), or ``"targets"``, targets 1e3 times larger."""
-    from dpcourse.fsdp import FSDP
+    from dpcourse.sharding.fsdp import FSDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
     fsdp = FSDP(make_net(), layers=None, compute_dtype=torch.float16)
@@ -406,8 +406,8 @@ def _host_syncs_on_rank() -> list[str]:
     callbacks (where the overflow checks run) do not see."""
     import traceback
 
-    from dpcourse.fsdp import FSDP
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.sharding.fsdp import FSDP
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     seen: set[str] = set()
 
@@ -418,7 +418,7 @@ def _host_syncs_on_rank() -> list[str]:
             # the caller, past the device audit's dispatch (DPCOURSE_DEVICE_AUDIT), whose frame
             # would otherwise stand for torch's own reads (Adam's step counter)
             caller = next(f for f in reversed(traceback.extract_stack()[:-1])
-                          if "/dpcourse/device_audit/" not in f.filename)
+                          if "/dpcourse/harness/device_audit/" not in f.filename)
             if "/dpcourse/" in caller.filename:
                 seen.add(f"{caller.filename.rsplit('/', 1)[-1]}:{caller.lineno} {name}")
             return real(self, *args, **kwargs)
@@ -456,8 +456,8 @@ def test_a_training_step_does_not_wait_for_the_device():
 
 
 def test_stream_overlap_sums_what_each_stream_ran_beside_compute():
-    from dpcourse.bench.fsdp_streams import stream_overlap
-    from dpcourse.viz_zero import plot_stream_trace
+    from dpcourse.harness.bench.fsdp_streams import stream_overlap
+    from dpcourse.plots.sharding import plot_stream_trace
 
     trace = {"events": [("compute", "matmul", "gemm", 0.0, 2.0),
                         ("compute", "other kernel", "add", 1.0, 3.0),  # merged: busy 0-3
@@ -479,8 +479,8 @@ def test_stream_overlap_sums_what_each_stream_ran_beside_compute():
 def _resume_on_rank(directory: str) -> bool:
     """5 steps, a sharded checkpoint (each rank its shards of the model and of AdamW's state),
     5 more; then a fresh FSDP loads it and takes the same 5 steps: the same weights, bit for bit."""
-    from dpcourse import checkpoint
-    from dpcourse.fsdp import FSDP
+    from dpcourse.practice import checkpoint
+    from dpcourse.sharding.fsdp import FSDP
 
     def steps(fsdp, opt, first):
         for s in range(first, first + 5):
@@ -514,7 +514,7 @@ def test_a_sharded_checkpoint_resumes_exactly(tmp_path):
 
 # --------------------------------------------------------- what chapter 9 draws from
 def test_the_timeline_records_every_layers_gathers_compute_and_reduce_scatter():
-    from dpcourse.bench.fsdp import timeline_on_rank
+    from dpcourse.harness.bench.fsdp import timeline_on_rank
 
     for prefetch in (True, False):
         events = run_ranks(timeline_on_rank, 2, prefetch, 8, 64, 33, timeout=120)[0]
@@ -534,7 +534,7 @@ def test_the_timeline_records_every_layers_gathers_compute_and_reduce_scatter():
 
 
 def test_memory_by_stage_agrees_with_the_estimator():
-    from dpcourse.bench.fsdp import memory_by_stage_on_rank
+    from dpcourse.harness.bench.fsdp import memory_by_stage_on_rank
 
     width, out = 64, 33
     held = run_ranks(memory_by_stage_on_rank, 2, width, out, timeout=120)[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpcourse.launch import run_ranks
+from dpcourse.harness.launch import run_ranks
 
 
 def all_reduce_on_my_device():
@@ -45,8 +45,8 @@ def fsdp_streams_on_rank() -> dict:
     from torch import nn
 
     from dpcourse import runtime
-    from dpcourse.bench.zero import make_mlp
-    from dpcourse.fsdp import FSDP
+    from dpcourse.harness.bench.zero import make_mlp
+    from dpcourse.sharding.fsdp import FSDP
 
     device = runtime.device()
     fsdp = FSDP(make_mlp(64, 8).to(device))
@@ -91,7 +91,7 @@ def test_fsdp_collectives_run_on_the_ranks_device_and_their_own_streams():
 
 @pytest.mark.gpu
 def test_the_profiled_fsdp_step_shows_gathers_beside_compute():
-    from dpcourse.bench.fsdp_streams import stream_overlap, stream_trace_on_rank
+    from dpcourse.harness.bench.fsdp_streams import stream_overlap, stream_trace_on_rank
 
     trace = run_ranks(stream_trace_on_rank, 2, True)[0]
     rows = {row for row, *_ in trace["events"]}

@@ -1,5 +1,5 @@
 """What a rank says when its GPU has no memory left for it while it joins the process group
-(dpcourse._launch.worker.out_of_memory_message): the H200 run of 2026-11-26 got only torch's
+(dpcourse.harness.launch.worker.out_of_memory_message): the H200 run of 2026-11-26 got only torch's
 "CUDA out of memory" there, with 4 notebooks and 6 test workers on one GPU.
 
 Chapter 0: the course-wide launcher's plumbing.
@@ -7,7 +7,7 @@ Chapter 0: the course-wide launcher's plumbing.
 
 from __future__ import annotations
 
-from dpcourse._launch.worker import out_of_memory_message
+from dpcourse.harness.launch.worker import out_of_memory_message
 
 ORIGINAL = RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported later")
 

@@ -1,4 +1,4 @@
-"""The launcher's promises (see the docstring of dpcourse.launch), one test each."""
+"""The launcher's promises (see the docstring of dpcourse.harness.launch), one test each."""
 
 from __future__ import annotations
 
@@ -14,9 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse import device_audit, launch, runtime
-from dpcourse._launch import forkserver
-from dpcourse.launch import RankDiedError, RankError, RankPool, RankTimeoutError, run_ranks
+from dpcourse import runtime
+from dpcourse.harness import device_audit, launch
+from dpcourse.harness.launch import (
+    RankDiedError,
+    RankError,
+    RankPool,
+    RankTimeoutError,
+    forkserver,
+    run_ranks,
+)
 
 
 def proc_state(pid: int | str) -> tuple[str, int] | None:
@@ -44,7 +51,7 @@ def live_workers(keep: frozenset[int] = frozenset()) -> list[int]:
         if (found := proc_state(entry.name)) is None:
             continue
         state, parent = found
-        spawned = b"dpcourse._launch.worker" in cmdline and parent == os.getpid()
+        spawned = b"dpcourse.harness.launch.worker" in cmdline and parent == os.getpid()
         if state != "Z" and (spawned or parent == server):
             pids.append(int(entry.name))
     return pids
@@ -119,7 +126,7 @@ def test_function_from_script_main_runs(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         textwrap.dedent("""
-        from dpcourse.launch import run_ranks
+        from dpcourse.harness.launch import run_ranks
         import torch.distributed as dist
 
         def work():
@@ -143,7 +150,7 @@ def test_function_defined_in_a_notebook_cell_runs_on_four_ranks(tmp_path):
         nbformat.v4.new_code_cell(
             textwrap.dedent("""
             import torch, torch.distributed as dist
-            from dpcourse.launch import run_ranks
+            from dpcourse.harness.launch import run_ranks
 
             def square_and_sum():
                 from dpcourse import runtime
@@ -472,7 +479,7 @@ def test_ranks_end_when_the_caller_is_killed(tmp_path):
     script.write_text(
         textwrap.dedent("""
         import time
-        from dpcourse.launch import RankPool
+        from dpcourse.harness.launch import RankPool
 
         pool = RankPool(2).start()
         print("PIDS", *pool.pids, flush=True)

@@ -1,4 +1,5 @@
-"""Tests for dpcourse.memory (estimates, measurements, will_it_fit) and dpcourse.zero_memory."""
+"""Tests for dpcourse.one_device.memory (estimates, measurements, will_it_fit) and
+dpcourse.sharding.zero_memory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import data, memory, memory_measurement, models, zero_memory
+from dpcourse.one_device import data, memory, memory_measurement, models
+from dpcourse.sharding import zero_memory
 
 mse = nn.functional.mse_loss
 MLP_PARAMS = (5 * 32 + 32) + (32 * 32 + 32) + (32 * 2 + 2)

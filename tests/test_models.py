@@ -1,4 +1,5 @@
-"""Tests for dpcourse.models: shapes, deterministic init, masks, and that the Transformer learns."""
+"""Tests for dpcourse.one_device.models: shapes, deterministic init, masks, and that the
+Transformer learns."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpcourse import data, models, training
+from dpcourse.one_device import data, models, training
 
 
 def test_mlp_shape_and_layers():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpcourse import data, models, noise_scale
+from dpcourse.cost import noise_scale
+from dpcourse.one_device import data, models
 
 
 # ----------------------------------------------------------------- the gradient noise scale

@@ -105,7 +105,7 @@ JOB = textwrap.dedent("""
     import torch.distributed as dist
     import dpcourse
     from dpcourse import runtime
-    from dpcourse.launch import run_ranks
+    from dpcourse.harness.launch import run_ranks
 
     def rank_sum():
         t = torch.full((3,), float(dist.get_rank() + 1), device=runtime.device())

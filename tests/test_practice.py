@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import lr_schedule, mixed_precision, runtime, syncbn
-from dpcourse.launch import run_ranks
+from dpcourse import runtime
+from dpcourse.harness.launch import run_ranks
+from dpcourse.practice import lr_schedule, mixed_precision, syncbn
 
 TIMEOUT = 120.0
 

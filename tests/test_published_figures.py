@@ -22,8 +22,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import distributed as torch_ddp
 
-from dpcourse import buckets, commbench, costmodel, ddp, memory, scaling, zero_memory
-from dpcourse.launch import run_ranks
+from dpcourse.collectives import commbench
+from dpcourse.cost import costmodel, hardware, scaling
+from dpcourse.ddp import buckets, ddp
+from dpcourse.harness.launch import run_ranks
+from dpcourse.one_device import memory
+from dpcourse.sharding import zero_memory
 
 GB = 10**9  # the papers' and the playbook's gigabyte (1e9 bytes), not a GiB (2**30)
 MiB = 2**20
@@ -219,8 +223,8 @@ def test_nccl_tests_busbw_factor_is_the_rings_bandwidth_term(n):
 
 
 def modelled_nvlink_busbw(size: float) -> float:
-    """busbw of our modelled ring all-reduce on 8 H100s over NVLink 4 (scaling.NVLINK4)."""
-    link = scaling.NVLINK4
+    """busbw of our modelled ring all-reduce on 8 H100s over NVLink 4 (hardware.NVLINK4)."""
+    link = hardware.NVLINK4
     return commbench.bus_bandwidth(
         size, costmodel.all_reduce_time("ring", 8, size, link.alpha, link.beta), 8
     )
@@ -232,9 +236,9 @@ def test_measured_nvlink_all_reduce_is_82_percent_of_the_model():
     # less than 450GB/s ... only around 10GB/device". Bekman (ML Engineering Open Book,
     # network/benchmarks/results/all-reduce-8xH200.md): 8xH200 on the same NVLink 4, SHARP
     # disabled, 367.61 GB/s, "82% of spec". Our NVLink 4 is the datasheet's 450 GB/s each way.
-    assert scaling.NVLINK4.beta == 450e9
+    assert hardware.NVLINK4.beta == 450e9
     for size in (1 * 2**30, 10 * GB, 16 * 2**30):  # the model's latency is < 1 % from 1 GiB up
-        assert 0.99 * scaling.NVLINK4.beta < modelled_nvlink_busbw(size) < scaling.NVLINK4.beta
+        assert 0.99 * hardware.NVLINK4.beta < modelled_nvlink_busbw(size) < hardware.NVLINK4.beta
     # Difference: the model's busbw at 10 GB is 449.5 GB/s, the measurement 370: an efficiency
     # factor of 0.82 that the alpha-beta model does not contain (NCCL's kernels share the GPU's
     # memory bandwidth and SMs; the link's protocol overheads). Multiply beta by it for a
@@ -244,7 +248,7 @@ def test_measured_nvlink_all_reduce_is_82_percent_of_the_model():
     assert 0.81 < 367.61e9 / modelled_nvlink_busbw(16 * 2**30) < 0.83  # 0.817
     # Mid-size messages are worse, and the model is more optimistic there: the same source
     # measures "only around 150GB/s" for a 58 MB all-reduce (bf16[8192, 3584]). Ours: 380 GB/s,
-    # 2.5x, because its 3 us latency per ring step is an assumption (scaling.Link): with
+    # 2.5x, because its 3 us latency per ring step is an assumption (hardware.Link): with
     # beta = 370e9, 150 GB/s at 58 MB takes about 29 us per step.
     ratio = modelled_nvlink_busbw(8192 * 3584 * 2) / 150e9
     assert 2.4 < ratio < 2.7  # 2.53
@@ -260,7 +264,7 @@ def test_measured_nvlink_all_reduce_is_82_percent_of_the_model():
 # assumptions: perfect overlap and FLOPs utilisation, i.e. our overlap = 2/3 of the compute (the
 # backward) and MFU = 1.
 def hidden_tokens(comm_s: float, params: float) -> float:
-    return scaling.tokens_to_hide(comm_s, params, scaling.H100, mfu=1.0)
+    return scaling.tokens_to_hide(comm_s, params, hardware.H100, mfu=1.0)
 
 
 PARAMS = 8e9  # the threshold hardly depends on the size (only the latency term does)
@@ -268,7 +272,7 @@ GRAD = scaling.gradient_bytes(PARAMS, "bf16")
 
 
 def test_compute_bound_tokens_within_a_node():
-    link = scaling.NVLINK4
+    link = hardware.NVLINK4
     ours = hidden_tokens(costmodel.all_reduce_time("ring", 8, GRAD, link.alpha, link.beta), PARAMS)
     # Difference: ours is 1,924 tokens, 12.5 % under 2,200, because our ring moves
     # 2(N-1)/N = 7/4 of the gradient on 8 GPUs, where the headline rounds it to 2 (the book keeps
@@ -279,11 +283,11 @@ def test_compute_bound_tokens_within_a_node():
     # without latency, on a ring large enough that (N-1)/N is 1, it is the book's C / W exactly
     no_latency = costmodel.all_reduce_time("ring", 10**6, GRAD, 0.0, link.beta)
     assert math.isclose(hidden_tokens(no_latency, PARAMS), 989e12 / 450e9, rel_tol=1e-5)
-    assert math.isclose(scaling.H100.peak_flops / link.beta, 2200, rel_tol=0.002)
+    assert math.isclose(hardware.H100.peak_flops / link.beta, 2200, rel_tol=0.002)
 
 
 def test_compute_bound_tokens_across_nodes():
-    ib = scaling.IB_NDR  # one 400 Gb/s NIC per GPU: 8 x 50 GB/s = the book's 400e9 per node
+    ib = hardware.IB_NDR  # one 400 Gb/s NIC per GPU: 8 x 50 GB/s = the book's 400e9 per node
 
     def across(nodes: int) -> float:  # the cross-node phase alone: a ring of 1/8 of the gradient
         return hidden_tokens(costmodel.all_reduce_time("ring", nodes, GRAD / 8, ib.alpha, ib.beta),
@@ -308,7 +312,7 @@ def test_compute_bound_tokens_across_nodes():
     # of 5 us over all 512 GPUs add 6 % (2,626). One ring through one card, the course's
     # pessimistic bound, asks 8 times as many.
     assert scaling.cross_node_link(8).beta == 400e9
-    free = scaling.Link("InfiniBand NDR without latency", 0.0, ib.beta, "test")
+    free = hardware.Link("InfiniBand NDR without latency", 0.0, ib.beta, "test")
     large = hidden_tokens(scaling.flat_all_reduce_time(GRAD, 8 * 10**5, inter=free), PARAMS)
     assert math.isclose(large, 989e12 / 400e9, rel_tol=1e-5)
     flat64 = hidden_tokens(scaling.flat_all_reduce_time(GRAD, 512), PARAMS)

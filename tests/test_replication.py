@@ -1,4 +1,5 @@
-"""Tests for dpcourse.replication: manual data parallelism equals one device and nn.DataParallel."""
+"""Tests for dpcourse.replicas.replication: manual data parallelism equals one device and
+nn.DataParallel."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpcourse import data, models, replication, runtime, training
+from dpcourse import runtime
+from dpcourse.one_device import data, models, training
+from dpcourse.replicas import replication
 
 mse = nn.functional.mse_loss
 

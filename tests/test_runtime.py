@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dpcourse import runtime
-from dpcourse.launch import run_ranks, run_torchrun
+from dpcourse.harness.launch import run_ranks, run_torchrun
 
 
 @pytest.mark.parametrize(

@@ -7,15 +7,16 @@ import math
 import pytest
 import torch
 
-from dpcourse import costmodel, models, scaling, simulate
-from dpcourse.bench import scaling as bench_scaling
-from dpcourse.launch import run_ranks
+from dpcourse.cost import costmodel, hardware, scaling, simulate
+from dpcourse.harness.bench import scaling as bench_scaling
+from dpcourse.harness.launch import run_ranks
+from dpcourse.one_device import models
 
 # A 1.3B-parameter model in bf16, 32k tokens per GPU per step, on H100s over InfiniBand NDR.
 P = 1.3e9
-COMPUTE = scaling.compute_time(P, 32768, scaling.H100, mfu=0.4)
+COMPUTE = scaling.compute_time(P, 32768, hardware.H100, mfu=0.4)
 GRAD = scaling.gradient_bytes(P, "bf16")
-NET = dict(alpha=scaling.IB_NDR.alpha, beta=scaling.IB_NDR.beta)
+NET = dict(alpha=hardware.IB_NDR.alpha, beta=hardware.IB_NDR.beta)
 WORLDS = [1, 2, 3, 4, 8, 16, 64, 256, 1024, 8192, 65536]
 SETTINGS = [
     dict(compute_s=COMPUTE, grad_bytes=GRAD, **NET),
@@ -122,7 +123,7 @@ def test_step_time_refuses_bad_input():
 
 
 def test_hierarchical_all_reduce_reduces_to_flat_rings_at_the_extremes():
-    intra, inter = scaling.NVLINK4, scaling.IB_NDR
+    intra, inter = hardware.NVLINK4, hardware.IB_NDR
     for n in (1, 2, 8):  # one node
         t = scaling.hierarchical_all_reduce_time(GRAD, n, 8, intra, inter)
         flat = costmodel.all_reduce_time("ring", n, GRAD, intra.alpha, intra.beta)
@@ -144,13 +145,13 @@ def test_hierarchical_all_reduce_reduces_to_flat_rings_at_the_extremes():
 
 
 def test_flat_ring_across_nodes_runs_a_ring_per_card():
-    intra, inter = scaling.NVLINK4, scaling.IB_NDR
+    intra, inter = hardware.NVLINK4, hardware.IB_NDR
     # 8 rings over 8 NDR cards: the node's 400 GB/s, under NVLink's 450; the latency once
     link = scaling.cross_node_link(8)
     assert (link.alpha, link.beta) == (inter.alpha, 400e9)
     assert scaling.cross_node_link(1).beta == inter.beta  # one ring, one card: the bound
     assert scaling.cross_node_link(16).beta == intra.beta  # NVLink caps what the cards add
-    assert scaling.cross_node_link(8, scaling.IB_HDR, scaling.NVLINK3).beta == 200e9
+    assert scaling.cross_node_link(8, hardware.IB_HDR, hardware.NVLINK3).beta == 200e9
     for n in (1, 2, 8):  # one node: NVLink whatever the rings
         want = costmodel.all_reduce_time("ring", n, GRAD, intra.alpha, intra.beta, 3)
         assert scaling.flat_all_reduce_time(GRAD, n, buckets=3, rings=1) == pytest.approx(want)
@@ -185,10 +186,10 @@ def test_largest_world_size_agrees_with_brute_force(setting):
 
 def test_tokens_to_hide_is_where_the_overlapped_step_is_all_compute():
     comm = costmodel.all_reduce_time("ring", 64, GRAD, **NET)
-    tokens = scaling.tokens_to_hide(comm, P, scaling.H100, mfu=0.4)
-    by_hand = 2 * 63 / 64 * 2 * scaling.H100.peak_flops * 0.4 / (6 * (2 / 3) * NET["beta"])
+    tokens = scaling.tokens_to_hide(comm, P, hardware.H100, mfu=0.4)
+    by_hand = 2 * 63 / 64 * 2 * hardware.H100.peak_flops * 0.4 / (6 * (2 / 3) * NET["beta"])
     assert by_hand < tokens < 1.01 * by_hand  # the latencies add a little
-    compute = scaling.compute_time(P, tokens, scaling.H100, mfu=0.4)
+    compute = scaling.compute_time(P, tokens, hardware.H100, mfu=0.4)
     assert math.isclose(scaling.efficiency(64, compute, GRAD, **NET, overlap=2 / 3), 1.0)
     assert scaling.efficiency(64, 0.9 * compute, GRAD, **NET, overlap=2 / 3) < 0.99
     assert scaling.tokens_to_hide(comm, P, overlap=1.0) == pytest.approx(2 / 3 * tokens)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dpcourse import runtime
-from dpcourse.launch import RankError, run_ranks
+from dpcourse.harness.launch import RankError, run_ranks
 
 
 def _pid_and_sum() -> tuple[int, float]:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dpcourse import collectives as C
-from dpcourse import costmodel, simulate
 from dpcourse.collectives import p2p
+from dpcourse.cost import costmodel, simulate
 
 
 @pytest.mark.parametrize("algorithm", costmodel.ALGORITHMS)

@@ -82,7 +82,7 @@ def test_full_site_folds_solutions_away():
 
 
 def test_student_site_has_no_solution_text():
-    from dpcourse.exercises.student import solution_lines
+    from dpcourse.harness.exercises.student import solution_lines
 
     if not (STUDENT_HTML / "index.html").exists():
         if os.environ.get("DPCOURSE_REQUIRE_SITE"):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dpcourse import timing
-from dpcourse.launch import run_ranks
+from dpcourse.harness.launch import run_ranks
 
 
 def test_on_the_cpu_a_stamp_is_the_hosts_perf_counter(monkeypatch):
@@ -53,8 +53,10 @@ def test_on_a_gpu_stamps_are_cuda_events_that_time_the_work():
 
 
 def timed_backward_on_gpu() -> list[tuple]:
-    from dpcourse import ddp, models, runtime
-    from dpcourse.bench.ddp import timed_backward
+    from dpcourse import runtime
+    from dpcourse.ddp import ddp
+    from dpcourse.ddp.timeline import timed_backward
+    from dpcourse.one_device import models
 
     device = runtime.device()
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""python -m dpcourse.train under torchrun: strategies agree, crashes restart and resume exactly,
+"""python -m dpcourse.practice.train under torchrun: strategies agree, crashes restart and resume
+exactly,
 nothing hangs; the SLURM script is valid and its torchrun command line parses."""
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse import checkpoint, train
-from dpcourse.launch import (
+from dpcourse.harness.launch import (
     RankDiedError,
     RankError,
     run_ranks,
     run_torchrun,
     run_torchrun_on_cluster,
 )
+from dpcourse.practice import checkpoint, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -31,7 +32,7 @@ COMMON = ["--steps", "12", "--batch-size", "8", "--num-samples", "256", "--log-e
 def torchrun(
     nproc: int, *args: str, max_restarts: int = 0, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    return run_torchrun("dpcourse.train", nproc, args, module=True, timeout=TIMEOUT,
+    return run_torchrun("dpcourse.practice.train", nproc, args, module=True, timeout=TIMEOUT,
                         max_restarts=max_restarts, env=env, cwd=ROOT)  # fmt: skip
 
 
@@ -52,7 +53,7 @@ def main_with_output(argv: list[str]) -> str:
     import contextlib
     import io
 
-    from dpcourse import train
+    from dpcourse.practice import train
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -252,7 +253,7 @@ def test_sbatch_torchrun_command_line_parses():
     parsed = get_args_parser().parse_args(words)
     assert parsed.nnodes == "2" and parsed.nproc_per_node == "4"
     assert parsed.rdzv_backend == "c10d" and parsed.rdzv_endpoint == "node001:29500"
-    assert parsed.module and parsed.training_script == "dpcourse.train"
+    assert parsed.module and parsed.training_script == "dpcourse.practice.train"
     assert parsed.max_restarts == 1
     args = train.parse_args(parsed.training_script_args)
     assert args.strategy in train.STRATEGIES and args.checkpoint_dir is not None
@@ -269,15 +270,16 @@ def test_the_trainer_loads_chapter_9_only_for_the_zero_strategy():
     # which imports the trainer.
     code = (
         "import sys\n"
-        "assert 'dpcourse.train' not in sys.modules, 'the trainer was loaded already'\n"
-        "import dpcourse.train\n"
-        "assert 'dpcourse.zero' not in sys.modules, 'importing the trainer loaded chapter 9'\n"
+        "assert 'dpcourse.practice.train' not in sys.modules, 'the trainer was loaded already'\n"
+        "import dpcourse.practice.train\n"
+        "assert 'dpcourse.sharding.zero' not in sys.modules, 'importing the trainer loaded "
+        "chapter 9'\n"
     )
     assert run_ranks(functools.partial(exec, code, {}), 1) == [None]
 
 
 def _cluster_missing() -> str:
-    from dpcourse.cluster import ClusterUnavailable, check_available
+    from dpcourse.harness.cluster import ClusterUnavailable, check_available
 
     try:
         check_available()
@@ -291,11 +293,11 @@ def _cluster_missing() -> str:
 def test_two_torchrun_agents_on_two_emulated_nodes_train_as_one_node_does():
     """As `srun torchrun ...` on two machines: an agent per node, a c10d rendezvous over the
     (emulated) network, one rank per node; the weights end as those of two ranks on one node."""
-    from dpcourse.cluster import EmulatedCluster
+    from dpcourse.harness.cluster import EmulatedCluster
 
     args = [*COMMON, "--strategy", "ddp-scratch"]
     with EmulatedCluster(2, link="1gbit") as cluster:
-        procs = run_torchrun_on_cluster("dpcourse.train", cluster, args, module=True,
+        procs = run_torchrun_on_cluster("dpcourse.practice.train", cluster, args, module=True,
                                         timeout=TIMEOUT)
     for node, proc in enumerate(procs):
         assert proc.returncode == 0, f"node {node}:\n{proc.stdout}\n{proc.stderr}"

@@ -1,4 +1,5 @@
-"""Tests for dpcourse.training: the loop, its bookkeeping, the progress bar, throughput."""
+"""Tests for dpcourse.one_device.training: the loop, its bookkeeping, the progress bar,
+throughput."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpcourse import data, models, training
+from dpcourse.one_device import data, models, training
 
 mse = nn.functional.mse_loss
 

@@ -10,8 +10,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from dpcourse import viz_practice, viz_scaling, viz_zero  # noqa: E402
-from dpcourse.lr_schedule import LargeBatchRun  # noqa: E402
+from dpcourse.plots import practice as viz_practice  # noqa: E402
+from dpcourse.plots import scaling as viz_scaling
+from dpcourse.plots import sharding as viz_zero
+from dpcourse.practice.lr_schedule import LargeBatchRun  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from dpcourse import viz_ddp  # noqa: E402
+from dpcourse.plots import ddp as viz_ddp  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dpcourse import collectives, runtime, viz_ring  # noqa: E402
-from dpcourse.launch import run_ranks  # noqa: E402
+from dpcourse import collectives, runtime
+from dpcourse.harness.launch import run_ranks  # noqa: E402
+from dpcourse.plots import ring as viz_ring  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 7])
@@ -68,7 +69,7 @@ def test_bytes_per_rank_plot_has_a_dot_series_and_a_line_per_algorithm():
 
 # Section 6.7: the all-reduces over emulated links, on made-up runs as measure_on_cluster returns
 def made_up_cluster_runs(slower: float = 1.1) -> dict:
-    from dpcourse import costmodel
+    from dpcourse.cost import costmodel
 
     sizes, alpha, beta = [2**16, 2**20, 2**22], 2e-4, 1.2e8
     runs = {}
@@ -84,7 +85,7 @@ def made_up_cluster_runs(slower: float = 1.1) -> dict:
 def test_cluster_plot_shows_time_and_bus_bandwidth_against_n_measured_and_modelled():
     import matplotlib.pyplot as plt
 
-    from dpcourse import viz_cluster
+    from dpcourse.plots import cluster as viz_cluster
 
     runs = made_up_cluster_runs()
     fig = viz_cluster.plot_cluster_runs(runs, "made up")
@@ -111,7 +112,7 @@ def test_cluster_plot_shows_time_and_bus_bandwidth_against_n_measured_and_modell
 
 
 def test_model_errors_and_the_table_flag_what_is_off():
-    from dpcourse import viz_cluster
+    from dpcourse.plots import cluster as viz_cluster
 
     runs = made_up_cluster_runs(slower=1.1)
     runs[8]["measured"]["tree"][-1] *= 1.2  # 32 % over the model at 4 MiB on 8 nodes
@@ -131,7 +132,8 @@ def test_model_errors_and_the_table_flag_what_is_off():
 def test_recorded_runs_are_read_with_where_and_when_they_were_recorded(tmp_path, monkeypatch):
     import json
 
-    from dpcourse import bench, viz_cluster
+    from dpcourse.harness import bench
+    from dpcourse.harness.bench import cluster as bench_cluster
 
     recorded = tmp_path / "benchmarks" / "cpu-2core"
     recorded.mkdir(parents=True)
@@ -140,9 +142,9 @@ def test_recorded_runs_are_read_with_where_and_when_they_were_recorded(tmp_path,
         (recorded / f"ch6-cluster-{n}.json").write_text(json.dumps(
             {**run, "machine": machine, "date": "2026-01-02T03:04:05+00:00"}))
     monkeypatch.setattr(bench, "RECORDED", tmp_path / "benchmarks")
-    runs, source = viz_cluster.recorded_runs((2, 4, 8))
+    runs, source = bench_cluster.recorded_runs((2, 4, 8))
     assert sorted(runs) == [2, 4, 8] and runs[8]["nodes"] == 8
     assert source == ("recorded on 2 CPU cores, no GPU, torch 2.0, 2026-01-02 "
                       "(not measured in this build)")
-    runs, source = viz_cluster.recorded_runs((2, 3))  # no ch6-cluster-3.json
+    runs, source = bench_cluster.recorded_runs((2, 3))  # no ch6-cluster-3.json
     assert runs == {} and "for N in [3] is not next to" in source

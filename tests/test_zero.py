@@ -1,4 +1,5 @@
-"""Tests for dpcourse.zero: ShardedOptimizer against unsharded training and ZeroRedundancyOptimizer.
+"""Tests for dpcourse.sharding.zero: ShardedOptimizer against unsharded training and
+ZeroRedundancyOptimizer.
 
 The model has 71 trainable parameters (a prime), so no world size divides the flat buffer and
 every run exercises shards of unequal length. The rank-side checks are grouped into one run per
@@ -16,9 +17,9 @@ from torch import nn
 
 from dpcourse import runtime
 from dpcourse.collectives.ops import chunk_bounds
-from dpcourse.launch import run_ranks
-from dpcourse.memory_measurement import optimizer_state_bytes
-from dpcourse.zero import ShardedOptimizer, owner_of, shard_bounds
+from dpcourse.harness.launch import run_ranks
+from dpcourse.one_device.memory_measurement import optimizer_state_bytes
+from dpcourse.sharding.zero import ShardedOptimizer, owner_of, shard_bounds
 
 STEPS = 10
 # Sharded and unsharded runs sum the gradients over the ranks in different orders, so they
@@ -356,7 +357,7 @@ def test_shard_bounds_and_owner_of_reject_bad_input():
 def test_benchmark_runs_and_reports_state_at_one_nth(tmp_path, capsys):
     import json
 
-    from dpcourse import bench
+    from dpcourse.harness import bench
 
     out = tmp_path / "zero.json"
     argv = [
@@ -388,8 +389,8 @@ def test_benchmark_runs_and_reports_state_at_one_nth(tmp_path, capsys):
 def _fsdp_on_rank() -> dict:
     from torch.distributed.fsdp import fully_shard
 
-    from dpcourse import models
-    from dpcourse.bench.fsdp import fsdp_step_events, fully_shard_placement
+    from dpcourse.harness.bench.fsdp import fsdp_step_events, fully_shard_placement
+    from dpcourse.one_device import models
 
     device, mesh = fully_shard_placement()  # the host where ranks share a GPU
     torch.manual_seed(0)
@@ -439,7 +440,7 @@ def test_fsdp2_preview_gathers_twice_and_reduce_scatters_once():
 
 
 def _variants_on_rank() -> dict:
-    from dpcourse.bench.zero import train_variants_on_rank
+    from dpcourse.harness.bench.zero import train_variants_on_rank
 
     return train_variants_on_rank(
         make_model, batch, nn.functional.mse_loss, 5, torch.optim.AdamW, lr=1e-2
@@ -467,14 +468,16 @@ def test_train_variants_side_by_side():
 
 # ------------------------------------------- chapter 9's comparisons: rounding, told from a bug
 def _transformer():
-    from dpcourse import models, runtime
+    from dpcourse import runtime
+    from dpcourse.one_device import models
 
     torch.manual_seed(0)
     return models.TinyTransformer().to(runtime.device())
 
 
 def _digits(step: int, rank: int) -> tuple:
-    from dpcourse import data, runtime
+    from dpcourse import runtime
+    from dpcourse.one_device import data
 
     return tuple(t.to(runtime.device()) for t in data.digits_batch(16, seed=1000 * step + rank))
 
@@ -492,8 +495,8 @@ def test_rounding_gap_accepts_other_rounding_and_rejects_a_wrong_learning_rate()
     CPU. Here, on the CPU, the nudged reference (one float step in the weights and gradients)
     fails that old tolerance just as much (one element flipped by Adam: 7.8e-4 here too),
     rounding_gap accepts it and ours, and it rejects a learning rate 2 % too large."""
-    from dpcourse import models
-    from dpcourse.bench import zero as zero_bench
+    from dpcourse.harness.bench import zero as zero_bench
+    from dpcourse.one_device import models
 
     common = (3, _transformer, _digits, models.sequence_cross_entropy, 10, torch.optim.AdamW)
     options = dict(warmup=3, max_norm=0.5, weight_decay=0.1, timeout=300)

@@ -13,8 +13,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from dpcourse import runtime
-from dpcourse.launch import run_ranks
-from dpcourse.zero import ShardedOptimizer
+from dpcourse.harness.launch import run_ranks
+from dpcourse.sharding.zero import ShardedOptimizer
 
 RTOL, ATOL = 1e-5, 1e-6  # as tests/test_zero.py: float32 sums in another order, through Adam
 # On a GPU too: these loops (warm-up, clipping at 0.05) nudged one float step in every weight and

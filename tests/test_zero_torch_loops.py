@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcourse import runtime
-from dpcourse.launch import run_ranks
+from dpcourse.harness.launch import run_ranks
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 sums in another order, through Adam (as tests/test_zero.py)
 OPTIMIZERS = {
@@ -116,9 +116,9 @@ def compare(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 def _plan_on_rank(stage: int) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from dpcourse.ddp import DDP
-    from dpcourse.fsdp import FSDP
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.ddp.ddp import DDP
+    from dpcourse.sharding.fsdp import FSDP
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     out = {}
     for name, (cls, kwargs) in OPTIMIZERS.items():
@@ -168,7 +168,7 @@ def test_zero_grad_and_parameters_without_gradients_as_torch(world, stage):
 
 def _issue_examples_on_rank() -> dict:
     """The two loops of the issue, each with one scalar parameter per role."""
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     device = runtime.device()
     out = {}
@@ -207,7 +207,7 @@ def _no_zero_grad_on_rank(stage: int) -> dict:
     """A loop that never calls zero_grad: torch's gradients add up from step to step (DDP
     averages the sum), and so must ours; in two parameter groups, `late` (step 0 only) in the
     first and `never` in the second."""
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     rank = dist.get_rank()
     out = {}
@@ -241,7 +241,7 @@ def _comes_back_on_rank(own_group: bool, name: str) -> dict:
     no gradient, and equals torch's. In a group with other parameters its weights and state are
     kept, but the group's one step counter runs on, where torch counts per parameter: Adam's
     bias correction then differs when `late` comes back (SGD's momentum has no counter)."""
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     rank = dist.get_rank()
     cls, kwargs = OPTIMIZERS[name]
@@ -296,7 +296,7 @@ class SGDWithScale(torch.optim.SGD):
 def _closure_on_rank(stage: int) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     rank = dist.get_rank()
     out = {}
@@ -352,7 +352,7 @@ def _join_on_rank(stage: int, clip: float | None) -> dict:
     over all N, and whose last joiner's weights are every rank's at the end)."""
     from torch.distributed.algorithms.join import Join
 
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     rank = dist.get_rank()
     out = {}
@@ -393,7 +393,7 @@ def test_uneven_inputs_under_join(world, stage, clip):
 def _join_throws_on_rank() -> str:
     from torch.distributed.algorithms.join import Join
 
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     rank = dist.get_rank()
     model = make_net()
@@ -421,8 +421,8 @@ def _full_state_on_rank(directory: str) -> dict:
     """3 AdamW steps with a plain optimizer (torch's DDP), a checkpoint of chapter 8
     (checkpoint.save_checkpoint), 3 more; ShardedOptimizer loads that checkpoint (and the plain
     state_dict itself) and takes the same 3 steps."""
-    from dpcourse import checkpoint
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.practice import checkpoint
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     rank = dist.get_rank()
     cls, kwargs = OPTIMIZERS["AdamW"]
@@ -472,8 +472,8 @@ def test_a_plain_optimizers_state_loads_sharded(tmp_path):
 def _save_sharded_on_rank(directory: str) -> None:
     """3 AdamW steps of ShardedOptimizer, saved as chapter 9 and chapter 8 save it: each rank's
     state_dict() in a file, a checkpoint with sharded_optimizer=True, and the consolidated state."""
-    from dpcourse import checkpoint
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.practice import checkpoint
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     rank = dist.get_rank()
     cls, kwargs = OPTIMIZERS["AdamW"]
@@ -495,8 +495,8 @@ def _reshard_on_rank(directory: str, saved_world: int) -> dict:
     """On another number of ranks: a plain AdamW (torch's DDP) from the consolidated state,
     and ShardedOptimizer from every rank's files, from the consolidated state and through
     load_checkpoint (restore_rng=False); 3 more steps each."""
-    from dpcourse import checkpoint
-    from dpcourse.zero import ShardedOptimizer
+    from dpcourse.practice import checkpoint
+    from dpcourse.sharding.zero import ShardedOptimizer
 
     rank = dist.get_rank()
     cls, _ = OPTIMIZERS["AdamW"]
@@ -550,7 +550,7 @@ def test_a_sharded_state_loads_on_another_number_of_ranks(tmp_path):
 def _zeros_on_rank() -> dict:
     """Without find_unused_parameters, chapter 7's DDP (and its steps 2 and 3) average a missing
     gradient as zeros: AdamW's weight decay then moves `never`, which torch's optimizer skips."""
-    from dpcourse import ddp
+    from dpcourse.ddp import ddp
 
     rank = dist.get_rank()
     moved = {}

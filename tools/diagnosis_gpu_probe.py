@@ -77,8 +77,8 @@ def nccl_case() -> None:
 
 
 def loop_case() -> None:
-    from dpcourse import diagnosis
-    from dpcourse.launch import run_ranks
+    from dpcourse.debugging import diagnosis
+    from dpcourse.harness.launch import run_ranks
 
     times = run_ranks(
         diagnosis.training_steps_on_rank, 1, 5, 2, slow_rank=0, delay_s=0.05, device="cuda"

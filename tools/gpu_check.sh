@@ -399,7 +399,7 @@ publish
 
 # (e) The benchmarks, into the results folder.
 ranks=$(( gpus >= 2 ? gpus : 2 ))
-bench=(env DPCOURSE_KEEP_RANKS=0 "$py" -m dpcourse.bench)
+bench=(env DPCOURSE_KEEP_RANKS=0 "$py" -m dpcourse.harness.bench)
 step bench-allreduce "$BENCH_TIMEOUT" "${bench[@]}" allreduce --world-size "$ranks" \
   --json "$out/allreduce-$ranks.json"
 step bench-ddp "$BENCH_TIMEOUT" "${bench[@]}" ddp --world-size "$ranks" --repeats 20 \

@@ -8,7 +8,7 @@ The same code serves every setting of the course (chapter 0 explains them):
 
 A rank learns who it is from the same environment variables that ``torchrun`` sets
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``). :mod:`dpcourse.launch` sets them too, so a function that calls
+``MASTER_PORT``). :mod:`dpcourse.harness.launch` sets them too, so a function that calls
 :func:`device` or :func:`current` runs unchanged under either launcher.
 
 Chapter 0: the course-wide runtime and launcher.
@@ -19,12 +19,14 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from dpcourse import device_audit, shared_gpu
+from dpcourse import shared_gpu
+from dpcourse.stand_in import stand_in
 
 __all__ = [
     "Machine",
@@ -44,10 +46,6 @@ __all__ = [
 ]
 
 DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=5)
-
-if device_audit.requested():  # a notebook's kernel or a test run under the audit
-    device_audit.enable()
-
 
 @dataclass(frozen=True)
 class Machine:
@@ -128,12 +126,12 @@ def choose_backend(world_size: int, gpus: int | None = None) -> str:
 
     NCCL needs a GPU of its own for every rank, so it is chosen only when there are at least as
     many GPUs as ranks; everything else uses gloo (with CUDA tensors where GPUs exist). Under the
-    device audit: the backend of the machine it models (:func:`device_audit.modelled_backend`).
+    device audit (:mod:`dpcourse.stand_in`): the backend of the machine it stands in for.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if gpus is None and device_audit.requested():
-        return device_audit.modelled_backend(world_size)
+    if gpus is None and (machine := stand_in()) is not None:
+        return machine.backend(world_size)
     gpus = gpu_count() if gpus is None else gpus
     if gpus >= world_size and dist.is_nccl_available():
         return "nccl"
@@ -148,12 +146,12 @@ def device_for_rank(
     * NCCL: ``cuda:<local_rank>``, one GPU per rank (an error if there are too few);
     * gloo with GPUs present: the GPUs are shared round-robin, ``cuda:<local_rank % gpus>``;
     * gloo without GPUs: the CPU;
-    * under the device audit (``DPCOURSE_DEVICE_AUDIT``, :mod:`dpcourse.device_audit`): the
-      CPU, as the object that stands for the GPU of the modelled machine.
+    * standing in for a GPU machine (the device audit, :mod:`dpcourse.stand_in`): the object
+      that stands for the GPU, which is the CPU.
     """
-    audited = gpus is None and device_audit.requested()
-    if audited:
-        gpus = device_audit.modelled_gpus()
+    machine = stand_in() if gpus is None else None
+    if machine is not None:
+        gpus = machine.gpus()
         gpus = local_world_size if gpus is None else gpus
     gpus = gpu_count() if gpus is None else gpus
     if backend == "nccl":
@@ -162,9 +160,9 @@ def device_for_rank(
                 f"NCCL needs one GPU per rank, but this node runs {local_world_size} ranks and has "
                 f"{gpus} GPU(s). Use backend='gloo' (or 'auto'), or start fewer ranks per node."
             )
-        return device_audit.DEVICE if audited else torch.device("cuda", local_rank)
-    if audited:
-        return device_audit.DEVICE  # the CPU, standing in for cuda:<local_rank % gpus>
+        return machine.device if machine is not None else torch.device("cuda", local_rank)
+    if machine is not None:
+        return machine.device  # the CPU, standing in for cuda:<local_rank % gpus>
     if gpus > 0:
         return torch.device("cuda", local_rank % gpus)
     return torch.device("cpu")
@@ -178,7 +176,7 @@ class RankInfo:
     world_size: int
     local_rank: int
     local_world_size: int
-    backend: str  # under the device audit: the backend of the modelled machine (it runs gloo)
+    backend: str  # standing in for a GPU machine: that machine's (it runs gloo)
     device: torch.device
 
 
@@ -192,7 +190,7 @@ def _env_int(name: str, default: int | None = None) -> int:
             raise RuntimeError(
                 f"environment variable {name} is not set: start this script with torchrun "
                 f"(`torchrun --nproc-per-node=N script.py`) or run the function with "
-                f"dpcourse.launch.run_ranks"
+                f"dpcourse.harness.launch.run_ranks"
             )
         return default
     return int(value)
@@ -208,8 +206,9 @@ def init_process_group(
     Under ``torchrun`` call it with no arguments (rendezvous through ``env://``). The course's own
     launcher passes ``store``, a client of the store its parent process hosts. It also sets the
     current CUDA device where there is one, and where ranks share GPUs over gloo it has their
-    point-to-point messages go through host memory (:mod:`dpcourse.shared_gpu`). Under the device
-    audit the rank stands for one of the modelled machine's backend and runs gloo. Returns the
+    point-to-point messages go through host memory (:mod:`dpcourse.shared_gpu`). Standing in for a
+    GPU machine (the device audit, :mod:`dpcourse.stand_in`) the rank stands for that machine's
+    backend and really runs gloo. Returns the
     :class:`RankInfo` that :func:`current` then gives back.
     """
     global _info
@@ -218,8 +217,6 @@ def init_process_group(
             "the default process group is already initialised in this process; "
             "call dpcourse.runtime.teardown() first"
         )
-    if device_audit.requested():  # a forked rank imported this module before it got its env
-        device_audit.enable()
     rank = _env_int("RANK")
     world_size = _env_int("WORLD_SIZE")
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -228,11 +225,12 @@ def init_process_group(
         backend = choose_backend(local_world_size)
     dev = device_for_rank(local_rank, local_world_size, backend)
     # ranks that share GPUs run gloo with CUDA tensors: their sends go through host memory
-    if backend == "gloo" and (dev.type == "cuda" or dev is device_audit.DEVICE):
+    machine = stand_in()
+    if backend == "gloo" and (dev.type == "cuda" or machine is not None):
         shared_gpu.stage_point_to_point()
     real = backend
-    if device_audit.requested():
-        device_audit.begin_rank(backend)  # what this rank stands for; it runs gloo on the CPU
+    if machine is not None:
+        machine.begin_rank(backend)  # what this rank stands for; it really runs gloo on the CPU
         real = "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -262,9 +260,8 @@ def end_process(code: int = 0) -> None:
     Run after :func:`teardown` at the end of a rank: C++ static destructors running after gloo's
     threads aborted a rank whose work was done ("terminate called without an active exception",
     SIGABRT) about once in 30 runs, and torchrun then fails the whole job. The course's launcher
-    and its trainer (:mod:`dpcourse.train`) end their ranks this way.
+    and its trainer (:mod:`dpcourse.practice.train`) end their ranks this way.
     """
-    import sys
 
     sys.stdout.flush()
     sys.stderr.flush()

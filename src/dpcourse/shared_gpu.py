@@ -28,15 +28,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dpcourse import device_audit
-from dpcourse._patching import replace
+from dpcourse.stand_in import stand_in
 
-__all__ = ["on_gpu", "StagedWork", "stage_point_to_point", "staging_installed"]
+__all__ = ["on_gpu", "replace", "StagedWork", "stage_point_to_point", "staging_installed"]
 
 
 def on_gpu(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` lives on a GPU (under the device audit: on the modelled GPU)."""
-    return tensor.is_cuda or device_audit.where(tensor) == "device"
+    """Whether ``tensor`` lives on a GPU (standing in for a GPU machine, :mod:`dpcourse.stand_in`:
+    whether it would)."""
+    machine = stand_in()
+    return tensor.is_cuda or (machine is not None and machine.on_device(tensor))
+
+
+def replace(name: str, new: Callable) -> Callable | None:
+    """Put ``new`` in place of torch.distributed's function ``name``, under both of its names;
+    return what was there (None, and nothing replaced, where this torch has no such function).
+
+    ``torch.distributed`` re-exports the functions of ``torch.distributed.distributed_c10d``, and
+    code inside that module calls them by its own names (``P2POp`` checks its op against c10d's
+    ``isend``/``irecv``; ``batch_isend_irecv`` calls them): a replacement must go under both names
+    to be seen everywhere. The course's checks and device audit replace functions the same way
+    (:mod:`dpcourse.harness.patching`).
+    """
+    c10d = dist.distributed_c10d
+    real = getattr(c10d, name, None)
+    if real is not None:
+        setattr(c10d, name, new)
+        setattr(dist, name, new)
+    return real
 
 
 class StagedWork:

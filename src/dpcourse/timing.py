@@ -12,8 +12,8 @@ events are read after they have completed, as seconds since a start event that t
 recorded on an idle GPU, at the same moment as it read the host's clock: host and device times
 share one zero. On the CPU a stamp is ``time.perf_counter()``, as before.
 
-Used by the exercise ex-5-overlap and by :func:`dpcourse.bench.ddp.timed_backward`, chapter 7's
-timeline of the buckets' all-reduces.
+Used by the exercise ex-5-overlap and by :func:`dpcourse.ddp.timeline.timed_backward`, chapter
+7's timeline of the buckets' all-reduces.
 
 Chapter 5: timing asynchronous work on the CPU and on GPUs.
 """

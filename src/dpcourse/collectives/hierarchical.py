@@ -15,7 +15,7 @@ Horovod's hierarchical all-reduce do:
 The three rings are the course's own (:func:`~dpcourse.collectives.ring.reduce_scatter_` and
 :func:`~dpcourse.collectives.ring.all_gather_`, run in the sub-groups of :func:`node_groups`),
 so the traffic goes through :mod:`.p2p` and is counted, and no library collective is called.
-:func:`dpcourse.scaling.hierarchical_all_reduce_time` models the time it takes.
+:func:`dpcourse.cost.scaling.hierarchical_all_reduce_time` models the time it takes.
 
 Chapter 10: the two-level all-reduce.
 """
@@ -85,13 +85,13 @@ def node_groups(ranks_per_node: int) -> NodeGroups:
     node's group and every peer group, its own or not, in the same order (the nodes' groups,
     node 0 first, then the peer groups, local rank 0 first). Build them once and pass them to
     each :func:`hierarchical_all_reduce`. Only in a real process group: the simulated network
-    (:mod:`dpcourse.simulate`) has no sub-groups.
+    (:mod:`dpcourse.cost.simulate`) has no sub-groups.
     """
     rank, world = _layout(ranks_per_node)
-    if p2p._network() is not None:
+    if p2p.simulated_network() is not None:
         raise RuntimeError(
             "the simulated network has no sub-groups, so hierarchical_all_reduce does not run "
-            "on it; run it with dpcourse.launch.run_ranks"
+            "on it; run it with dpcourse.harness.launch.run_ranks"
         )
     k, nodes = ranks_per_node, world // ranks_per_node
     node = [dist.new_group(list(range(n * k, (n + 1) * k))) for n in range(nodes)][rank // k]

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dpcourse.collectives.ops import check_input, combine_, finish_
+from dpcourse.collectives.ops import check_input, check_root, combine_, finish_
 from dpcourse.collectives.p2p import recv, send
-from dpcourse.collectives.tree import _check_root
 
 __all__ = ["linear_broadcast", "naive_all_reduce"]
 
@@ -23,7 +22,7 @@ __all__ = ["linear_broadcast", "naive_all_reduce"]
 def linear_broadcast(tensor: torch.Tensor, src: int = 0, check_shapes: bool = True) -> torch.Tensor:
     """Copy rank ``src``'s ``tensor`` to every rank in place, one send per rank; returns it."""
     rank, world = check_input(tensor, None, check_shapes)
-    _check_root(src, world)
+    check_root(src, world)
     if rank == src:
         for peer in range(world):
             if peer != src:

@@ -9,7 +9,8 @@ import torch
 
 from dpcourse.collectives.p2p import exchange, not_counted, rank_and_size
 
-__all__ = ["OPS", "combine_", "finish_", "check_input", "check_same_shapes", "chunk_bounds"]
+__all__ = ["OPS", "combine_", "finish_", "check_input", "check_same_shapes", "chunk_bounds",
+           "check_root"]
 
 OPS = ("sum", "mean", "max", "min")
 
@@ -109,3 +110,9 @@ def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def check_root(root: int, world: int) -> None:
+    """A root rank that is one of the ``world`` ranks, or a ValueError that says which are."""
+    if not 0 <= root < world:
+        raise ValueError(f"the root rank must be in [0, {world - 1}], got {root}")

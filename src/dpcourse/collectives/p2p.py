@@ -13,7 +13,7 @@ Chapters 5 and 6 build broadcast, reduce and all-reduce out of nothing but ``sen
   them through host memory (:mod:`dpcourse.shared_gpu`), for this module and for code that calls
   ``dist.send`` itself;
 * can be pointed at a **simulated network** instead of torch.distributed
-  (:mod:`dpcourse.simulate`), so that the same collective code runs on thousands of virtual
+  (:mod:`dpcourse.cost.simulate`), so that the same collective code runs on thousands of virtual
   ranks with links of a chosen latency and bandwidth.
 
 Chapter 5: point-to-point messages, the layer every collective is built on.
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from dpcourse import device_audit
-from dpcourse._patching import replaced
+from dpcourse.stand_in import stand_in
 
 __all__ = [
     "Traffic",
@@ -47,6 +46,8 @@ __all__ = [
     "exchange",
     "posts_ahead",
     "rank_and_size",
+    "simulated_network",
+    "on_simulated_network",
 ]
 
 
@@ -72,12 +73,29 @@ _process_counters: list[Traffic] = []
 def _active() -> list[Traffic]:
     active = getattr(_counting, "active", None)
     return _process_counters if active is None else active
-# Set per thread by dpcourse.simulate: that thread is a virtual rank of a simulated network.
+# Set per thread by dpcourse.cost.simulate: that thread is a virtual rank of a simulated network.
 _simulated = threading.local()
 
 
 def _network():
     return getattr(_simulated, "network", None)
+
+
+def simulated_network():
+    """The simulated network this thread runs on as one of its ranks (chapter 6's
+    :class:`dpcourse.cost.simulate.SimulatedNetwork`), or None: messages go to torch.distributed."""
+    return _network()
+
+
+@contextlib.contextmanager
+def on_simulated_network(network, rank: int) -> Iterator[None]:
+    """Inside the block this thread is rank ``rank`` of ``network``: its messages travel over the
+    simulated links instead of torch.distributed (:func:`dpcourse.cost.simulate.run` uses it)."""
+    _simulated.network, _simulated.rank = network, rank
+    try:
+        yield
+    finally:
+        _simulated.network = None
 
 
 @contextlib.contextmanager
@@ -93,30 +111,6 @@ def count_traffic() -> Iterator[Traffic]:
     finally:
         _counting.active.remove(traffic)
         _process_counters.remove(traffic)
-
-
-# torch.distributed's collectives, which the course's own must never call (see __init__).
-LIBRARY_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter",
-                       "barrier", "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor",
-                       # torch 2.13's names for the two above, and the batched forms
-                       "all_gather_single", "reduce_scatter_single", "all_to_all_single",
-                       "all_reduce_coalesced", "all_gather_coalesced")
-
-
-@contextlib.contextmanager
-def library_collectives_forbidden() -> Iterator[None]:
-    """Inside the ``with`` block every library collective of this rank raises an
-    AssertionError ("a library collective was called"): the tests run the course's
-    collectives so, to show that they are built from point-to-point messages alone."""
-
-    def forbid(real: Callable) -> Callable:
-        def forbidden(*args, **kwargs):
-            raise AssertionError("a library collective was called")
-
-        return forbidden
-
-    with replaced(dict.fromkeys(LIBRARY_COLLECTIVES, forbid)):
-        yield
 
 
 @contextlib.contextmanager
@@ -173,7 +167,8 @@ def rank_and_size() -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "no process group: the collectives run on several ranks. Call them inside a function "
-            "started with dpcourse.launch.run_ranks(fn, world_size), or in a script started by "
+            "started with dpcourse.harness.launch.run_ranks(fn, world_size), or in a script "
+            "started by "
             "torchrun after dpcourse.runtime.init_process_group()."
         )
     return dist.get_rank(), dist.get_world_size()
@@ -256,8 +251,10 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
 
 
 def _on_nccl() -> bool:
-    # the device audit stands for NCCL on gloo: the NCCL code path then runs on a CPU too
-    return _network() is None and (dist.get_backend() == "nccl" or device_audit.acts_as_nccl())
+    # standing in for an NCCL rank (the device audit, on gloo): the NCCL code path runs on a CPU
+    machine = stand_in()
+    acts_as_nccl = machine is not None and machine.rank_backend() == "nccl"
+    return _network() is None and (dist.get_backend() == "nccl" or acts_as_nccl)
 
 
 def posts_ahead() -> bool:

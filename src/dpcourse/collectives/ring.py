@@ -49,7 +49,7 @@ def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, in
     """(chunk sent to rank+1, chunk received from rank-1) by ``rank`` at ``step`` of a phase.
 
     ``phase`` is "reduce-scatter" or "all-gather". The ring below and the animation of chapter
-    6 (:mod:`dpcourse.viz_ring`) both follow this schedule.
+    6 (:mod:`dpcourse.plots.ring`) both follow this schedule.
     """
     if phase == "reduce-scatter":
         return (rank - step - 1) % world, (rank - step - 2) % world

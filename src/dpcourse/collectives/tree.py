@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dpcourse.collectives.ops import check_input, combine_, finish_
+from dpcourse.collectives.ops import check_input, check_root, combine_, finish_
 from dpcourse.collectives.p2p import recv, send
 
 __all__ = ["tree_broadcast", "tree_reduce", "tree_all_reduce", "tree_rounds"]
@@ -28,7 +28,7 @@ def tree_broadcast(tensor: torch.Tensor, src: int = 0, check_shapes: bool = True
     """Copy rank ``src``'s ``tensor`` into every rank's ``tensor`` in place (like
     ``dist.broadcast``), in ceil(log2 N) rounds; returns it."""
     rank, world = check_input(tensor, None, check_shapes)
-    _check_root(src, world)
+    check_root(src, world)
     v = (rank - src) % world
     for k in range(tree_rounds(world)):
         step = 1 << k
@@ -48,7 +48,7 @@ def tree_reduce(
     (``dist.reduce`` also leaves them unspecified). Returns the tensor.
     """
     rank, world = check_input(tensor, op, check_shapes)
-    _check_root(dst, world)
+    check_root(dst, world)
     v = (rank - dst) % world
     incoming = torch.empty_like(tensor)
     for k in range(tree_rounds(world)):
@@ -71,8 +71,3 @@ def tree_all_reduce(
     check_input(tensor, op, check_shapes)
     tree_reduce(tensor, 0, op, check_shapes=False)
     return tree_broadcast(tensor, 0, check_shapes=False)
-
-
-def _check_root(root: int, world: int) -> None:
-    if not 0 <= root < world:
-        raise ValueError(f"the root rank must be in [0, {world - 1}], got {root}")

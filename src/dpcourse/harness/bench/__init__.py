@@ -1,0 +1,88 @@
+"""Benchmarks: ``python -m dpcourse.harness.bench NAME [options]``.
+
+Each benchmark measures the course's implementation and PyTorch's counterpart side by side in
+one run (interleaved repetitions, medians), prints the ratios, and can write JSON with the
+machine it ran on (``--json FILE``). Speed is checked here, never by timed unit tests.
+
+A benchmark is a module ``dpcourse/harness/bench/<name>.py`` defining ``HELP`` (one line),
+``add_arguments(parser)``, ``run(args) -> dict`` (JSON-able) and ``report(result)`` (prints the
+table); :func:`main` finds every such module. ``python -m dpcourse.harness.bench --help`` lists
+them.
+
+Chapter 0: the course-wide measurement rigs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import pkgutil
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import ModuleType
+
+from dpcourse import runtime
+
+__all__ = ["benchmarks", "main", "recorded"]
+
+# Results recorded with --json, kept in the repository next to src/ (see benchmarks/README.md).
+RECORDED = Path(__file__).resolve().parents[4] / "benchmarks"
+
+
+def recorded(name: str, machine: str = "cpu-2core") -> dict | None:
+    """The recorded result ``benchmarks/<machine>/<name>.json`` (with its ``machine``, ``date``
+    and ``command``), or None where it is not there (the package installed without the
+    repository). Chapters show it where they cannot measure, labelled as recorded."""
+    path = RECORDED / machine / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def benchmarks() -> dict[str, ModuleType]:
+    """Every benchmark module of this package, by name."""
+    found = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if not info.name.startswith("_"):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            if all(hasattr(module, a) for a in ("HELP", "add_arguments", "run", "report")):
+                found[info.name] = module
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark from the command line; returns the exit status."""
+    modules = benchmarks()
+    parser = argparse.ArgumentParser(
+        prog="python -m dpcourse.harness.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="name", required=True)
+    for name, module in modules.items():
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__)
+        module.add_arguments(p)
+        p.add_argument("--json", help="also write the results, with the machine, to this file")
+    args = parser.parse_args(argv)
+
+    machine = runtime.describe_machine()
+    print(
+        f"machine: {machine.cpus} CPU cores, GPUs: {list(machine.gpus) or 'none'}, "
+        f"torch {machine.torch_version}"
+    )
+    module = modules[args.name]
+    result = module.run(args)
+    module.report(result)
+    if args.json:
+        record = {
+            "benchmark": args.name,
+            "command": "python -m dpcourse.harness.bench "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": asdict(machine),
+            **result,
+        }
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0

@@ -1,0 +1,73 @@
+"""Exercises: checks a learner runs in the notebook, the student edition, and grading.
+
+How an exercise is written in a chapter notebook (chapter 1 is the model to copy):
+
+1. A markdown cell with the statement, as a sphinx-exercise directive labelled
+   ``ex-<chapter>-<slug>``; the solution in a markdown cell of its own
+   (``{solution} ex-<chapter>-<slug>`` with ``:class: dropdown``, so the website folds it).
+2. For a coding exercise, a code cell tagged ``solution`` and ``hide-input`` where the
+   learner's function has a fixed name and the reference code sits between marker lines::
+
+       def my_chunk_data(batch, n):
+           # BEGIN SOLUTION
+           ...
+           # END SOLUTION
+
+   The student edition replaces the lines between the markers with
+   ``raise NotImplementedError(...)`` and drops the solution directives.
+3. A check cell: ``check.chunk_data(my_chunk_data)``. The check lives in
+   ``dpcourse/exercises/chNN.py`` (the appendix's diagnosis lab: ``lab.py``, labels
+   ``ex-11-<slug>``), registered with :func:`~dpcourse.harness.exercises.core.exercise`; it passes
+   the package's reference and fails wrong answers with a specific message.
+
+Commands (``python -m dpcourse.harness.exercises --help``): ``student`` writes the student edition
+of the book's sources, ``grade`` executes submitted notebooks and writes a score table (CSV).
+
+Chapter 0: the exercise checks of the whole course.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+
+from dpcourse.harness.exercises.core import (
+    CheckResult,
+    Mismatch,
+    call_learner,
+    check,
+    exercise,
+    expect_close,
+    expect_equal,
+    registry,
+    run_check,
+    run_learner_on_ranks,
+)
+
+__all__ = [
+    "check",
+    "exercise",
+    "Mismatch",
+    "CheckResult",
+    "call_learner",
+    "run_learner_on_ranks",
+    "expect_close",
+    "expect_equal",
+    "registry",
+    "run_check",
+    "load_all",
+]
+
+
+@functools.cache
+def load_all() -> None:
+    """Import every chapter's check module (``chNN.py``) and the appendix's diagnosis lab
+    (``lab.py``, labels ``ex-11-...``) and "find the bugs" (``bug_hunt.py``, ``ex-12-...``) so
+    that their checks are registered."""
+    for info in pkgutil.iter_modules(__path__):
+        if (info.name.startswith("ch") and info.name[2:].isdigit()) or info.name in (
+            "lab",
+            "bug_hunt",
+        ):
+            importlib.import_module(f"{__name__}.{info.name}")

@@ -1,0 +1,444 @@
+"""The machinery behind every exercise check: registry, comparisons, timeouts, results.
+
+A check is a function that takes the learner's function, runs it on chosen inputs, compares
+with the package's reference, and either returns a short success message or raises
+:class:`Mismatch` with a message that says which input failed, what was expected and what came
+back. Register it with :func:`exercise`::
+    @exercise("ex-3-chunk", function="my_chunk_data")
+    def chunk_data(fn) -> str:
+        ...
+        return "splits batches like torch.chunk"
+
+Learners call it as ``check.chunk_data(my_chunk_data)`` (see :data:`check`); the grader calls
+it with the function named ``function`` found in a submitted notebook.
+
+Chapter 0: the exercise checks of the whole course.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import json
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dpcourse import runtime
+from dpcourse.harness.launch import RankError, RankTimeoutError, run_ranks
+from dpcourse.harness.patching import library_collectives_forbidden, replaced
+
+__all__ = [
+    "Mismatch",
+    "CheckResult",
+    "Exercise",
+    "exercise",
+    "registry",
+    "call_learner",
+    "run_learner_on_ranks",
+    "any_rank",
+    "expect_close",
+    "expect_equal",
+    "run_check",
+    "not_attempted",
+    "display_output",
+    "check",
+    "DEFAULT_CHECK_TIMEOUT",
+]
+
+DEFAULT_CHECK_TIMEOUT = 60.0
+# Set by `make book` for the full edition: a reference solution that fails its check fails the
+# build. Learners' notebooks and the student edition never raise on a failed check.
+STRICT_ENV = "DPCOURSE_CHECKS_STRICT"
+# Set by the grader: every check result is appended to this file as one JSON line.
+LOG_ENV = "DPCOURSE_GRADE_LOG"
+
+
+class Mismatch(AssertionError):
+    """The learner's answer is wrong; the message says where and how."""
+
+
+class NotAttempted(Exception):
+    """The learner's function still raises the student edition's NotImplementedError."""
+
+
+class CheckTimeout(Exception):
+    """The learner's code ran longer than the check allows."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    label: str  # the sphinx-exercise label, e.g. "ex-3-chunk"
+    name: str  # the check's name: check.<name>(fn)
+    function: str | None  # the learner's function the grader looks for, e.g. "my_chunk_data"
+    check: Callable[[Callable], str]
+    timeout: float
+
+    @property
+    def chapter(self) -> int:
+        return int(self.label.split("-")[1])
+
+
+@dataclass
+class CheckResult:
+    """What one check said: ``status`` is passed, failed, not attempted or error."""
+
+    label: str
+    name: str
+    status: str
+    message: str
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def text(self) -> str:
+        mark = {"passed": "✓", "not attempted": "…"}.get(self.status, "✗")
+        return f"{mark} {self.label} ({self.name}): {self.status}. {self.message}"
+
+    def html(self) -> str:
+        colour = {"passed": "#1a7f37", "not attempted": "#6e7781"}.get(self.status, "#cf222e")
+        return (
+            f'<div style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0">'
+            f'<b style="color:{colour}">{html.escape(self.text().split(":", 1)[0])}</b>: '
+            f'<span style="white-space:pre-wrap">{html.escape(self.text().split(":", 1)[1])}'
+            "</span></div>"
+        )
+
+
+def display_output(result: CheckResult) -> dict[str, Any]:
+    """The notebook output that showing ``result`` in a notebook produces (nbformat 4)."""
+    return {
+        "output_type": "display_data",
+        "data": {"text/html": result.html(), "text/plain": "<IPython.core.display.HTML object>"},
+        "metadata": {},
+    }
+
+
+_registry: dict[str, Exercise] = {}
+
+
+def exercise(
+    label: str, function: str | None = None, timeout: float = DEFAULT_CHECK_TIMEOUT
+) -> Callable[[Callable[[Callable], str]], Callable[[Callable], str]]:
+    """Register a check for the exercise ``label`` (``ex-<chapter>-<slug>``).
+
+    ``function`` is the name the learner's function has in the notebook (the grader looks it
+    up); ``timeout`` bounds the whole check in seconds.
+    """
+    parts = label.split("-")
+    if len(parts) < 3 or parts[0] != "ex" or not parts[1].isdigit():
+        raise ValueError(f"exercise labels look like 'ex-<chapter>-<slug>', got {label!r}")
+
+    def register(fn: Callable[[Callable], str]) -> Callable[[Callable], str]:
+        if label in _registry and _registry[label].check is not fn:
+            raise ValueError(f"two checks registered for {label!r}")
+        _registry[label] = Exercise(label, fn.__name__, function, fn, timeout)
+        return fn
+
+    return register
+
+
+def registry() -> dict[str, Exercise]:
+    """Every registered exercise by label (imports all the chapters' check modules)."""
+
+    from dpcourse.harness.exercises import load_all  # import here: a cycle (it imports this)
+
+    load_all()
+    return dict(sorted(_registry.items(), key=lambda kv: (kv[1].chapter, kv[0])))
+
+
+# ----------------------------------------------------------------------------- running learner code
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise CheckTimeout in this thread after ``seconds`` (main thread on POSIX only; elsewhere
+    the grader's per-notebook timeout is the backstop). An interval timer that is already set
+    (pytest-timeout's, say) is re-armed afterwards with the time it has left."""
+    if (
+        not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    if 0 < outer_left <= seconds:  # the outer timer fires first anyway
+        yield
+        return
+
+    def expire(signum, frame):
+        raise CheckTimeout(f"it was still running after {seconds:g} s")
+
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:
+            left = max(outer_left - (time.monotonic() - started), 0.001)
+            signal.setitimer(signal.ITIMER_REAL, left, outer_interval)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        body = str(value.tolist()) if value.numel() <= 12 else f"{value.numel()} values"
+        return f"tensor of shape {tuple(value.shape)}, {value.dtype}: {body}"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "…"
+
+
+def call_learner(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call the learner's ``fn``; an exception it raises becomes a :class:`Mismatch` saying so.
+
+    The student edition's ``NotImplementedError`` becomes "not attempted". Inputs are cloned
+    where they are tensors, so a function that modifies its input cannot corrupt the check.
+    """
+    cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    try:
+        return fn(*cloned, **kwargs)
+    except NotImplementedError as exc:
+        raise NotAttempted(str(exc) or "the function is not written yet") from exc
+    except (Mismatch, CheckTimeout):
+        raise
+    except Exception as exc:
+        inputs = ", ".join(_describe(a) for a in args)
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise Mismatch(
+            f"your function raised {type(exc).__name__}: {exc} (line {where.lineno}: "
+            f"{where.line!s}) when called with ({inputs})"
+        ) from exc
+
+
+def run_learner_on_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 30.0, **kwargs: Any
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks (for collective exercises).
+
+    A raise on a rank, a dead rank or a deadlock becomes a :class:`Mismatch` naming the rank;
+    a deadlock's message shows where each rank was waiting.
+    """
+
+    try:
+        return run_ranks(fn, world_size, *args, timeout=timeout, **kwargs)
+    except RankTimeoutError as exc:
+        stuck = ", ".join(map(str, exc.stalled))
+        raise Mismatch(
+            f"on {world_size} ranks your code did not finish within {timeout:g} s: ranks "
+            f"[{stuck}] were still waiting. A deadlock? Every blocking send needs a matching "
+            f"receive posted on the other rank (isend/irecv avoid the wait).\n"
+            + exc.remote_traceback
+        ) from None
+    except RankError as exc:
+        if isinstance(exc.original, NotImplementedError):
+            raise NotAttempted(str(exc.original) or "the function is not written yet") from None
+        if isinstance(exc.original, Mismatch):  # a comparison made on the rank itself
+            raise Mismatch(f"on rank {exc.rank} of {world_size}: {exc.original}") from None
+        raise Mismatch(f"on {world_size} ranks: {exc}") from None
+
+
+@contextlib.contextmanager
+def learner_messages() -> Iterator[list[tuple[int, int]]]:
+    """While a learner's collective runs on a rank: log every message of floating-point data it
+    sends, as ``(peer, bytes)`` (``dist.send``, ``dist.isend`` and the sends of
+    ``dist.batch_isend_irecv``), and make torch.distributed's own collectives raise
+    ``AssertionError`` (the learner must build the collective from messages). Chapters 5 and 6's
+    checks use it to tell a tree from a relay and a ring from a gather."""
+
+    log: list[tuple[int, int]] = []
+    inside = threading.local()  # torch's send calls its isend: count the outer call only
+
+    def counting(real: Callable) -> Callable:
+        def sends(tensor, dst=None, *args, **kwargs):
+            if getattr(inside, "depth", 0):
+                return real(tensor, dst, *args, **kwargs)
+            peer = dst if dst is not None else kwargs.get("group_dst")
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                log.append((peer, tensor.numel() * tensor.element_size()))
+            inside.depth = 1
+            try:
+                return real(tensor, dst, *args, **kwargs)
+            finally:
+                inside.depth = 0
+
+        return sends
+
+    # both names (_patching): P2POp accepts only c10d.isend, and batch_isend_irecv calls it
+    with replaced({"send": counting, "isend": counting}), library_collectives_forbidden():
+        yield log
+
+
+def call_collective(fn: Callable, *args: Any) -> tuple[Any, list[tuple[int, int]] | None]:
+    """Run the learner's collective ``fn(*args)`` on this rank under :func:`learner_messages`:
+    ``(what it returned, the messages it sent)``, or ``(None, None)`` if it called one of
+    torch.distributed's own collectives (which the exercise is to build from messages)."""
+    try:
+        with learner_messages() as sent:
+            returned = fn(*args)
+    except AssertionError as exc:
+        if "library collective" not in str(exc):
+            raise
+        return None, None
+    return returned, sent
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is true on any rank (for rank-side checks, so that all
+    ranks stop at the same case instead of some waiting for the others forever)."""
+
+
+    # on the rank's device: NCCL (a GPU per rank) takes no CPU tensors
+    t = torch.tensor([1.0 if flag else 0.0], device=runtime.device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def expect_equal(got: Any, want: Any, what: str) -> None:
+    """Raise :class:`Mismatch` unless ``got == want`` (tensors: same shape, dtype and values)."""
+    if isinstance(want, torch.Tensor):
+        expect_close(got, want, what, rtol=0.0, atol=0.0)
+        return
+    if got != want:
+        raise Mismatch(f"{what}: expected {_describe(want)}, got {_describe(got)}")
+
+
+def expect_close(
+    got: Any, want: torch.Tensor, what: str, rtol: float | None = None, atol: float | None = None
+) -> None:
+    """Raise :class:`Mismatch` naming ``what`` unless ``got`` is a tensor close to ``want``.
+
+    Tolerances default to torch.testing's for the dtype (float32: rtol 1.3e-6, atol 1e-5).
+    """
+    if not isinstance(got, torch.Tensor):
+        raise Mismatch(f"{what}: expected a tensor, got {type(got).__name__} {_describe(got)}")
+    if got.shape != want.shape:
+        raise Mismatch(f"{what}: expected shape {tuple(want.shape)}, got shape {tuple(got.shape)}")
+    if got.dtype != want.dtype:
+        raise Mismatch(f"{what}: expected dtype {want.dtype}, got {got.dtype}")
+    try:
+        torch.testing.assert_close(
+            got.detach().cpu(), want.detach().cpu(), rtol=rtol, atol=atol, equal_nan=True
+        )
+    except AssertionError:
+        diff = (got.detach().cpu().double() - want.detach().cpu().double()).abs()
+        i = int(diff.argmax())
+        index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), want.shape))
+        ratio = ""
+        flat_want, flat_got = want.detach().cpu().reshape(-1), got.detach().cpu().reshape(-1)
+        if flat_want[i] != 0:
+            ratio = f" (got/expected = {float(flat_got[i]) / float(flat_want[i]):.4g})"
+        raise Mismatch(
+            f"{what}: {int((diff > 0).sum())} of {want.numel()} values differ; the largest "
+            f"difference is at index {index}: expected {float(flat_want[i]):.6g}, "
+            f"got {float(flat_got[i]):.6g}{ratio}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------- results
+def run_check(label: str, fn: Any) -> CheckResult:
+    """Run the check of exercise ``label`` on ``fn`` and return its result (never raises)."""
+    ex = registry()[label]
+    if not callable(fn):
+        return CheckResult(
+            label, ex.name, "failed", f"expected your function, got {type(fn).__name__}"
+        )
+    try:
+        with _time_limit(ex.timeout):
+            message = ex.check(fn)
+        return CheckResult(label, ex.name, "passed", message or "")
+    except NotAttempted as exc:
+        return not_attempted(label, str(exc))
+    except Mismatch as exc:
+        return CheckResult(label, ex.name, "failed", str(exc))
+    except CheckTimeout as exc:
+        return CheckResult(
+            label,
+            ex.name,
+            "failed",
+            f"your code timed out: {exc}. Look for a loop that never ends.",
+        )
+    except Exception as exc:  # a bug in the check itself must not look like the learner's fault
+        return CheckResult(
+            label,
+            ex.name,
+            "error",
+            f"the check itself failed ({type(exc).__name__}: {exc}); please report it",
+        )
+
+
+def not_attempted(label: str, reason: str) -> CheckResult:
+    """What the check of ``label`` says of a function that is not written yet: ``reason`` is its
+    ``NotImplementedError``'s message (the student edition shows this without running it)."""
+    return CheckResult(
+        label,
+        registry()[label].name,
+        "not attempted",
+        f"{reason}. Write the function, run its cell, then run this check again.",
+    )
+
+
+def _show(result: CheckResult) -> None:
+    try:
+        from IPython import get_ipython  # import here: optional, absent outside Jupyter
+        from IPython.display import HTML, display  # import here: optional, absent outside Jupyter
+
+        if get_ipython() is not None:
+            display(HTML(result.html()))  # the student edition writes the same: display_output
+            return
+    except ImportError:
+        pass
+    print(result.text())
+
+
+def log_result(result: CheckResult) -> None:
+    """Append ``result`` as a JSON line to the file ``LOG_ENV`` names (grading reads it)."""
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(asdict(result)) + "\n")
+
+
+class ExerciseFailed(AssertionError):
+    """Raised by a check only in the strict (reference) build, where every check must pass."""
+
+
+class _Checks:
+    """``check.<name>(fn)``: run the check called ``name`` on the learner's ``fn`` and show the
+    result (a green tick, or a red cross with the reason). It never raises in a learner's
+    notebook, so the cells below still run."""
+
+    def __getattr__(self, name: str) -> Callable[[Any], None]:
+        matches = [ex for ex in registry().values() if ex.name == name]
+        if not matches:
+            names = ", ".join(sorted(ex.name for ex in registry().values()))
+            raise AttributeError(f"there is no check called {name!r}; the checks are: {names}")
+        ex = matches[0]
+
+        def run(fn: Any) -> None:
+            result = run_check(ex.label, fn)
+            _show(result)  # shown here, not returned, so that it appears exactly once
+            log_result(result)
+            if os.environ.get(STRICT_ENV) and not result.passed:
+                raise ExerciseFailed(result.text())
+
+        run.__doc__ = ex.check.__doc__
+        run.__name__ = name
+        return run
+
+    def __dir__(self) -> list[str]:
+        return sorted(ex.name for ex in registry().values())
+
+
+check = _Checks()

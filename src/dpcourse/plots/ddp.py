@@ -1,0 +1,151 @@
+"""Plots of chapter 7: the communication timeline of DDP, step time against bucket size, and
+overlap on and off for each bucket size (on a slow link).
+
+Chapter 7: plots of DDP's timeline and bucket sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from dpcourse.ddp.timeline import StepTimeline
+
+__all__ = ["plot_timeline", "plot_bucket_sizes", "plot_overlap", "overlap_table"]
+
+
+def _draw_timeline(ax: Axes, timeline: StepTimeline, title: str) -> None:
+    n = len(timeline.buckets)
+    ms = 1e3
+    ax.barh(n, timeline.backward_s * ms, left=0, height=0.6, color="#4c72b0")
+    ax.text(
+        timeline.backward_s * ms / 2,
+        n,
+        "backward",
+        ha="center",
+        va="center",
+        color="white",
+        fontsize=8,
+    )
+    for b in timeline.buckets:
+        row = n - 1 - b.index
+        width = max(b.completed_s - b.launched_s, 0) * ms
+        ax.barh(row, width, left=b.launched_s * ms, height=0.6, color="#dd8452")
+    ax.axvline(timeline.backward_s * ms, color="#4c72b0", ls="--", lw=1)
+    ax.axvline(timeline.finished_s * ms, color="k", ls=":", lw=1)
+    labels = [f"bucket {b.index} ({b.nbytes / 2**20:.1f} MiB)" for b in reversed(timeline.buckets)]
+    ax.set_yticks(range(n + 1), labels + ["compute"])
+    ax.set(xlabel="ms since backward started", title=title)
+    ax.grid(axis="x", alpha=0.3)
+
+
+def plot_timeline(timelines: Mapping[str, StepTimeline], machine: str) -> Figure:
+    """One panel per timeline (e.g. ``{"overlap=True": ..., "overlap=False": ...}``): backward
+    as a bar, each bucket's all-reduce from launch to completion, backward's end (dashed) and
+    the end of ``finish_gradient_synchronization`` (dotted). Chapter 7."""
+    fig, axes = plt.subplots(
+        len(timelines),
+        1,
+        figsize=(8, 1.2 + 0.45 * sum(len(t.buckets) + 1 for t in timelines.values())),
+        sharex=True,
+        layout="constrained",
+        squeeze=False,
+    )
+    for ax, (title, timeline) in zip(axes[:, 0], timelines.items(), strict=True):
+        _draw_timeline(
+            ax, timeline, f"{title}: step synchronised after {timeline.finished_s * 1e3:.1f} ms"
+        )
+    fig.suptitle(f"Measured on {machine}", fontsize=9)
+    return fig
+
+
+def plot_bucket_sizes(
+    caps_mb: Sequence[float],
+    medians_s: Sequence[float],
+    reference: Mapping[str, float],
+    machine: str,
+    title: str,
+) -> Figure:
+    """Median step time of :class:`~dpcourse.ddp.ddp.DDP` for each bucket cap, with horizontal
+    lines for the ``reference`` times (e.g. torch's DDP). A cap of 0 (one bucket per
+    parameter) is drawn at the left edge of the log axis. Chapter 7."""
+    fig, ax = plt.subplots(figsize=(6.5, 4), layout="constrained")
+    smallest = min((c for c in caps_mb if c > 0), default=1.0) / 4
+    xs = [c if c > 0 else smallest for c in caps_mb]
+    ax.plot(xs, [t * 1e3 for t in medians_s], "o-", label="DDP (from scratch), overlapped")
+    for (name, t), style in zip(reference.items(), ("--", ":", "-."), strict=False):
+        ax.axhline(t * 1e3, ls=style, color="grey", label=name)
+    ticks = [f"{c:g}" if c > 0 else "0 (per\nparameter)" for c in caps_mb]
+    ax.set_xscale("log")
+    ax.set_xticks(xs, ticks)
+    ax.minorticks_off()
+    ax.set(
+        xlabel="bucket_cap_mb (MiB)",
+        ylabel="ms per training step (median)",
+        title=f"{title}\nmeasured on {machine}",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_overlap(
+    caps_mb: Sequence[float],
+    overlapped_s: Sequence[float],
+    after_backward_s: Sequence[float],
+    bucket_counts: Sequence[int],
+    reference: Mapping[str, float],
+    title: str,
+    source: str,
+) -> Figure:
+    """Median step time for each bucket cap as a pair of bars: the buckets launched during
+    backward (overlapped) and the same buckets launched after it, each bar labelled in ms and
+    each pair with its cap and number of buckets; horizontal lines for the ``reference`` times
+    (e.g. the step without communication). ``source`` (where and when it was measured, or that
+    it was recorded) is the title's second line. Chapter 7."""
+    if not len(caps_mb) == len(overlapped_s) == len(after_backward_s) == len(bucket_counts):
+        raise ValueError(
+            "caps_mb, overlapped_s, after_backward_s and bucket_counts differ in length"
+        )
+    fig, ax = plt.subplots(figsize=(6.5, 4), layout="constrained")
+    xs = range(len(caps_mb))
+    width = 0.38
+    for offset, times, label, color in (
+        (-width / 2, overlapped_s, "overlapped (launched during backward)", "#dd8452"),
+        (width / 2, after_backward_s, "no overlap (launched after backward)", "#8c8c8c"),
+    ):
+        bars = ax.bar([x + offset for x in xs], [t * 1e3 for t in times], width, label=label,
+                      color=color)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    for (name, t), style in zip(reference.items(), ("--", ":", "-."), strict=False):
+        ax.axhline(t * 1e3, ls=style, color="k", lw=1, label=name)
+    ticks = [f"{c:g} MiB\n{n} bucket{'s' if n != 1 else ''}"
+             for c, n in zip(caps_mb, bucket_counts, strict=True)]
+    ax.set_xticks(list(xs), ticks)
+    ax.set(
+        xlabel="bucket_cap_mb",
+        ylabel="ms per training step (median)",
+        title=f"{title}\n{source}",
+    )
+    highest = max([*overlapped_s, *after_backward_s, *reference.values()]) * 1e3
+    ax.set_ylim(0, highest * 1.4)  # room for the legend above the bars
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", ncols=2)
+    return fig
+
+
+def overlap_table(medians: dict[str, float], over_none: dict[str, float], caps_mb: list,
+                  bucket_counts: list[int]) -> str:
+    """Chapter 7's slow-link table: for "none" and each cap's overlapped and after-backward
+    variant (``"DDP cap C"``, ``"DDP no overlap cap C"``), the buckets, the median step and
+    what it costs over "none" (``over_none``, seconds, same-round differences)."""
+    lines = [f"{'variant':<23} {'buckets':>7} {'median step':>12} {'over none':>10}",
+             f"{'none':<23} {'-':>7} {medians['none'] * 1e3:9.1f} ms"]
+    for cap, n in zip(caps_mb, bucket_counts, strict=True):
+        for name in (f"DDP cap {cap}", f"DDP no overlap cap {cap}"):
+            lines.append(f"{name:<23} {n:>7} {medians[name] * 1e3:9.1f} ms "
+                         f"{over_none[name] * 1e3:7.1f} ms")
+    return "\n".join(lines)

@@ -1,0 +1,215 @@
+"""Ring all-reduce, step by step: the animation and the explorer of chapter 6.
+
+The frames follow :func:`dpcourse.collectives.ring.ring_schedule`, the schedule the real ring
+runs, and track which ranks' contributions each chunk holds: at the start rank r holds only its
+own ("a" for rank 0, "b" for rank 1, ...); after the reduce-scatter rank r holds the sum of
+chunk r ("a+b+c+d"); after the all-gather every rank holds every sum. Chapter 6 checks that the
+final state equals what the real ring computes. :func:`plot_bytes_per_rank` draws the bytes
+each algorithm's busiest rank sends, counted against the formulas.
+
+Chapter 6: the ring all-reduce animated, and the bytes each rank sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+from matplotlib import animation
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from dpcourse.collectives.ring import ring_schedule
+
+__all__ = ["RingFrame", "ring_frames", "draw_ring_frame", "ring_animation", "ring_explorer"]
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(frozen=True)
+class RingFrame:
+    """One picture: what each rank's chunks hold, and the chunks in flight."""
+
+    phase: str  # "start", "reduce-scatter", "all-gather" or "done"
+    step: int  # 1-based within the phase (0 for start and done)
+    holdings: tuple[tuple[frozenset[int], ...], ...]  # [rank][chunk] -> contributing ranks
+    arrows: tuple[tuple[int, int, int], ...]  # (from rank, to rank, chunk)
+    caption: str
+
+
+def ring_frames(world: int) -> list[RingFrame]:
+    """Every frame of a ring all-reduce on ``world`` ranks: start, then for each step of each
+    phase the messages in flight and the result, then the end state."""
+    if world < 2:
+        raise ValueError(f"a ring needs at least 2 ranks, got {world}")
+    hold = [[frozenset({r}) for _ in range(world)] for r in range(world)]
+
+    def snapshot():
+        return tuple(tuple(row) for row in hold)
+
+    frames = [
+        RingFrame(
+            "start",
+            0,
+            snapshot(),
+            (),
+            f"{world} ranks, each with its own gradient cut into {world} chunks",
+        )
+    ]
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(world - 1):
+            sends = [ring_schedule(phase, r, step, world) for r in range(world)]
+            arrows = tuple((r, (r + 1) % world, sends[r][0]) for r in range(world))
+            verb = "adds it to its own" if phase == "reduce-scatter" else "keeps it"
+            frames.append(
+                RingFrame(
+                    phase,
+                    step + 1,
+                    snapshot(),
+                    arrows,
+                    f"{phase}, step {step + 1} of {world - 1}: every rank sends one chunk to its "
+                    f"right neighbour, which {verb}",
+                )
+            )
+            incoming = {}
+            for r in range(world):
+                dst = (r + 1) % world
+                sent = sends[r][0]
+                received = ring_schedule(phase, dst, step, world)[1]
+                assert sent == received, "sender and receiver disagree on the chunk"
+                incoming[dst] = (received, hold[r][sent])
+            for dst, (chunk, contribution) in incoming.items():
+                if phase == "reduce-scatter":
+                    hold[dst][chunk] = hold[dst][chunk] | contribution
+                else:
+                    hold[dst][chunk] = contribution
+        last = (
+            "every rank holds the complete sum of one chunk: its own"
+            if phase == "reduce-scatter"
+            else "every rank holds every sum: the all-reduce is done"
+        )
+        frames.append(
+            RingFrame("done" if phase == "all-gather" else phase, 0, snapshot(), (), last)
+        )
+    return frames
+
+
+def _label(contributors: frozenset[int], world: int) -> str:
+    if len(contributors) == world and world > 4:
+        return "Σ all"
+    return "+".join(LETTERS[i] for i in sorted(contributors))
+
+
+def draw_ring_frame(frame: RingFrame, ax: plt.Axes | None = None) -> plt.Axes:
+    """Draw one frame: ranks as rows, chunks as columns, messages as arrows."""
+    ax = ax or plt.gca()
+    ax.clear()
+    world = len(frame.holdings)
+    cmap = plt.get_cmap("Blues")
+    w, h = 1.0, 0.62
+    for r, row in enumerate(frame.holdings):
+        y = -r
+        ax.text(-0.35, y + h / 2, f"rank {r}", ha="right", va="center", fontsize=10)
+        for c, who in enumerate(row):
+            full = len(who) / world
+            ax.add_patch(
+                Rectangle(
+                    (c * 1.25, y),
+                    w,
+                    h,
+                    facecolor=cmap(0.15 + 0.75 * full),
+                    edgecolor="black",
+                    linewidth=1.5 if len(who) == world else 0.6,
+                )
+            )
+            ax.text(
+                c * 1.25 + w / 2,
+                y + h / 2,
+                _label(who, world),
+                ha="center",
+                va="center",
+                fontsize=9 if world <= 4 else 7,
+                color="white" if full > 0.6 else "black",
+            )
+    for src, dst, chunk in frame.arrows:
+        x = chunk * 1.25 + w / 2
+        if dst == src + 1:
+            start, end, rad = (x + 0.18, -src), (x + 0.18, -dst + h), 0.0
+        else:  # the wrap-around from the last rank to rank 0
+            start, end, rad = (x + 0.42, -src + h / 2), (x + 0.42, h / 2), 0.35
+        ax.add_patch(
+            FancyArrowPatch(
+                start,
+                end,
+                arrowstyle="-|>",
+                mutation_scale=14,
+                color="#d62728",
+                linewidth=2,
+                connectionstyle=f"arc3,rad={rad}",
+            )
+        )
+    for c in range(world):
+        ax.text(c * 1.25 + w / 2, h + 0.25, f"chunk {c}", ha="center", fontsize=9)
+    ax.set_xlim(-1.4, world * 1.25 + 0.3)
+    ax.set_ylim(-(world - 1) - 0.4, h + 0.6)
+    ax.set_title(frame.caption, fontsize=10)
+    ax.axis("off")
+    return ax
+
+
+def ring_animation(world: int = 4, interval_ms: int = 1200) -> animation.FuncAnimation:
+    """The whole all-reduce as a matplotlib animation (``.to_jshtml()`` plays it on a static
+    web page, no kernel needed)."""
+    frames = ring_frames(world)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * world, 1.2 + 0.9 * world))
+    anim = animation.FuncAnimation(
+        fig, lambda i: draw_ring_frame(frames[i], ax), frames=len(frames), interval=interval_ms
+    )
+    plt.close(fig)  # the notebook shows the animation, not a stray still figure
+    return anim
+
+
+def ring_explorer(max_world: int = 8):
+    """An ipywidgets explorer for the live notebook: pick the number of ranks and the frame."""
+    import ipywidgets as widgets  # import here: optional (the live notebook only), not a dependency
+
+    out = widgets.Output()
+    world = widgets.IntSlider(value=4, min=2, max=max_world, description="ranks")
+    index = widgets.IntSlider(value=0, min=0, max=len(ring_frames(4)) - 1, description="frame")
+
+    def redraw(*_):
+        frames = ring_frames(world.value)
+        index.max = len(frames) - 1
+        with out:
+            out.clear_output(wait=True)
+            fig, ax = plt.subplots(figsize=(1.6 + 1.3 * world.value, 1.2 + 0.9 * world.value))
+            draw_ring_frame(frames[min(index.value, index.max)], ax)
+            plt.show()
+
+    world.observe(redraw, "value")
+    index.observe(redraw, "value")
+    redraw()
+    return widgets.VBox([widgets.HBox([world, index]), out])
+
+
+def plot_bytes_per_rank(
+    world_sizes: Sequence[int],
+    busiest: Mapping[str, Sequence[float]],
+    formulas: Mapping[str, Callable[[int], float]],
+) -> plt.Figure:
+    """Gradients sent by the busiest rank against N: ``busiest[name]`` (counted, one dot per
+    world size) and ``formulas[name]`` (a line over N = 2 to the largest world size), one colour
+    per all-reduce."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    xs = list(range(2, max(world_sizes) + 1))
+    for name, values in busiest.items():
+        (line,) = ax.plot(world_sizes, values, "o", label=f"{name} (counted)")
+        ax.plot(xs, [formulas[name](x) for x in xs], "-", color=line.get_color(), alpha=0.5)
+    ax.set(
+        xlabel="ranks N",
+        ylabel="gradients sent by the busiest rank",
+        title="Bytes sent per rank, ~1 MiB gradient (dots counted, lines formulas)",
+    )
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return fig

@@ -1,0 +1,129 @@
+"""Plots of chapter 9: memory per rank under ZeRO, the optimizer state each rank holds, and a
+timeline of FSDP's gathers, compute and reduce-scatters.
+
+Each function takes what the chapter has already computed (bytes per rank from
+:func:`~dpcourse.sharding.zero_memory.zero_memory_per_rank`, state bytes measured by
+:func:`~dpcourse.harness.bench.zero.train_variants_on_rank`), draws them on a new figure, returns
+the figure and never calls ``plt.show``. Nothing here trains or measures.
+
+Chapter 9: plots of ZeRO's memory per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+__all__ = ["plot_memory_per_rank", "plot_state_per_rank", "plot_fsdp_timeline"]
+
+_FSDP_COLOURS = {"all-gather": "tab:blue", "forward": "tab:grey", "backward": "dimgrey",
+                 "reduce-scatter": "tab:orange"}
+
+
+def plot_memory_per_rank(
+    world_sizes: Sequence[int],
+    bytes_per_rank: Mapping[str, Sequence[float]],
+    title: str,
+    gpu_bytes: float | None = 80 * 2**30,
+) -> Figure:
+    """Bytes per rank of the model states against the number of ranks, both axes logarithmic,
+    in GB (10⁹ bytes): one line with dots per entry of ``bytes_per_rank`` (``{label: bytes for
+    each world size}``, e.g. data parallelism and ZeRO stages 1 to 3), and a dashed line at
+    ``gpu_bytes``, the memory of one GPU (none when ``None``). Chapter 9, section 9.2."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, values in bytes_per_rank.items():
+        ax.plot(world_sizes, [v / 1e9 for v in values], "o-", label=label)
+    if gpu_bytes is not None:
+        ax.axhline(gpu_bytes / 1e9, color="grey", ls="--", lw=1)
+        ax.text(max(world_sizes) * 0.29, gpu_bytes / 1e9 * 0.78,
+                f"one {gpu_bytes / 2**30:g} GiB GPU", color="grey", fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="GB per rank (model states)",
+           title=title)
+    ax.set_xticks(world_sizes, [str(n) for n in world_sizes])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def plot_state_per_rank(
+    state_per_rank: Mapping[int, Mapping[str, Sequence[int]]],
+    unsharded: int,
+    num_params: int,
+) -> Figure:
+    """Optimizer state held by each rank as a fraction of the ``unsharded`` state: one panel per
+    world size N of ``state_per_rank`` (``{N: {optimizer name: bytes of rank 0, 1, ...}}``),
+    side by side bars per optimizer for each rank, and a dashed line at the even share 1/N.
+    ``num_params`` goes in the title. Chapter 9, section 9.6."""
+    fig, axes = plt.subplots(1, len(state_per_rank), figsize=(4 * len(state_per_rank), 3.5),
+                             sharey=True, layout="constrained", squeeze=False)
+    for ax, (n, by_name) in zip(axes[0], state_per_rank.items(), strict=True):
+        width = 0.76 / len(by_name)
+        for k, (name, values) in enumerate(by_name.items()):
+            offset = (k - (len(by_name) - 1) / 2) * width
+            ax.bar([r + offset for r in range(n)], [v / unsharded for v in values], width,
+                   label=name)
+        ax.axhline(1 / n, color="black", lw=1, ls="--")
+        ax.set(title=f"N = {n}", xlabel="rank", xticks=range(n))
+        ax.grid(alpha=0.3, axis="y")
+    axes[0, 0].set_ylabel("optimizer state / unsharded")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"Adam state per rank, measured (dashed: 1/N); {num_params:,} parameters")
+    return fig
+
+
+def plot_fsdp_timeline(timelines: Mapping[str, Sequence[tuple[str, str, float, float]]],
+                       title: str) -> Figure:
+    """One panel per recorded step (e.g. ``{"prefetch=True": events, ...}`` from
+    :func:`~dpcourse.harness.bench.fsdp.timeline_on_rank`): a row per layer, with its all-gathers,
+    forward and backward compute and reduce-scatter as bars, and the end of the step (the
+    gradients synchronised) as a dotted line. Chapter 9."""
+    layers = sorted({e[0] for t in timelines.values() for e in t if e[0] != "step"}, key=str)
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(8, 1.4 + 1.1 * len(layers)),
+                             sharex=True, layout="constrained", squeeze=False)
+    for ax, (name, events) in zip(axes[:, 0], timelines.items(), strict=True):
+        seen = set()
+        for layer, kind, start, end in events:
+            if layer == "step":
+                ax.axvline(end * 1e3, ls=":", color="k")
+                ax.set_title(f"{name}: gradients synchronised after {end * 1e3:.1f} ms",
+                             fontsize=9, loc="left")
+                continue
+            if kind not in _FSDP_COLOURS:  # instants such as "queued"
+                continue
+            row = layers.index(layer)
+            comm = kind in ("all-gather", "reduce-scatter")
+            ax.barh(row + (0.2 if comm else -0.2), (end - start) * 1e3, left=start * 1e3,
+                    height=0.35, color=_FSDP_COLOURS[kind],
+                    label=None if kind in seen else kind)
+            seen.add(kind)
+        ax.set_yticks(range(len(layers)), [f"layer {n}" for n in layers])
+        ax.invert_yaxis()
+        ax.legend(fontsize=7, loc="lower right", ncol=4)
+    axes[-1, 0].set_xlabel("time since the step began (ms)")
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+_GPU_COLOURS = {"matmul": "tab:blue", "copy": "tab:orange", "other kernel": "tab:gray"}
+
+
+def plot_stream_trace(trace: dict, title: str) -> Figure:
+    """The GPU's work during one FSDP step, a row per CUDA stream (the compute stream, then the
+    communication thread's all-gather and reduce-scatter streams), each kernel or copy a bar
+    coloured by kind, from :func:`~dpcourse.harness.bench.fsdp.stream_trace_on_rank`. Chapter 9."""
+    rows = list(dict.fromkeys(["compute", "all-gather", "reduce-scatter",
+                               *(e[0] for e in trace["events"])]))
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(rows)), layout="constrained")
+    seen = set()
+    for row, kind, _, start, end in trace["events"]:
+        ax.barh(rows.index(row), max(end - start, 2e-6) * 1e3, left=start * 1e3, height=0.6,
+                color=_GPU_COLOURS.get(kind, "tab:gray"), label=None if kind in seen else kind)
+        seen.add(kind)
+    ax.set_yticks(range(len(rows)), [f"{r} stream" for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the step's first GPU work (ms)")
+    fig.legend(fontsize=7, loc="outside lower center", ncol=3)  # off the bars
+    ax.set_title(title, fontsize=9, loc="left")
+    return fig

@@ -1,0 +1,309 @@
+"""One fully sharded layer: its parameters cut into rows, gathered for use, freed after (chapter 9).
+
+:class:`ShardedLayer` is what torch's FSDP2 calls a parameter group: the parameters of one layer
+(a submodule), sharded together and gathered together in one collective.
+
+* **Shard.** Each parameter is cut along dim 0 into N pieces, as
+  :func:`~dpcourse.collectives.ops.chunk_bounds` cuts its rows (the first ``rows % N`` ranks get
+  one row more; a rank can get none). Rank r keeps its rows as an fp32 ``nn.Parameter``, the
+  shard, which the layer's module holds between uses.
+* **Gather.** The layer's gather buffer is laid out rank by rank: rank r's chunk is its shards
+  of every parameter, end to end. Each rank copies its shards into its chunk (cast to the
+  compute dtype first, so the traffic is in that dtype) and the ring all-gather of chapter 6
+  fills the other chunks. The rows are then copied out into the full parameters.
+* **Free.** A full parameter keeps its tensor object for autograd (the layer's backward saved
+  it) and loses its memory: ``untyped_storage().resize_(0)``. Gathering again before backward
+  gives it memory back and copies the rows into it, without autograd noticing (``.data``).
+* **Reduce-scatter.** The layer's gradients, cast to fp32, are laid out rank by rank as the
+  gather buffer is (trainable parameters only); after the ring reduce-scatter rank r's chunk
+  is the sum of its rows' gradients, which it divides by N and adds to its shards' ``.grad``.
+
+:class:`CommThread` runs the collectives on one thread, in the order they are submitted: the same
+on every rank, as a CUDA stream would run them. The layer's compute goes on meanwhile. On a GPU
+the thread works on the rank's device and queues its work on streams of its own, one for the
+all-gathers and one for the reduce-scatters, as FSDP2 does: a collective waits (on its stream) for
+the compute that made its inputs, and the compute that uses its result waits (on the compute
+stream) for the collective, through CUDA events, so that the GPU runs the two side by side. Its
+:class:`CommWork` is waited on like torch's ``Work``.
+
+Chapter 9: fully sharded data parallelism, one layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpcourse.collectives.ops import chunk_bounds
+from dpcourse.collectives.p2p import active_counters, counted_like
+from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
+from dpcourse.one_device.memory import tensors_in
+
+__all__ = ["CommThread", "CommWork", "ShardedLayer", "shard_rows", "gather_chunk_numels",
+           "STREAMS"]
+
+STREAMS = ("all-gather", "reduce-scatter")  # the communication thread's streams on a GPU
+
+
+def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """(first row, end row) of each rank's shard of a parameter with ``rows`` rows (dim 0)."""
+    return chunk_bounds(rows, world_size)
+
+
+def gather_chunk_numels(shapes: list[tuple[int, ...]], world_size: int) -> list[int]:
+    """Elements of each rank's chunk of a layer's gather buffer, for parameters of ``shapes``:
+    rank r's chunk holds its rows of every parameter, a row of a ``(rows, *rest)`` parameter
+    being ``prod(rest)`` elements (a 0-dimensional parameter counts as one row of one).
+    Chapter 9's exercise ex-9-fsdp-chunks asks for it."""
+    sizes = [0] * world_size
+    for shape in shapes:
+        rows = shape[0] if len(shape) else 1
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        for k, (r0, r1) in enumerate(shard_rows(rows, world_size)):
+            sizes[k] += row * (r1 - r0)
+    return sizes
+
+
+class CommWork:
+    """A collective submitted to a :class:`CommThread`; like torch.distributed's ``Work``,
+    :meth:`wait` returns once its result may be used by the caller."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        """True once the communication thread has run (on a GPU: queued) the collective."""
+        return self._future.done()
+
+    def wait(self) -> Any:
+        """The collective's result. On the CPU it has finished. On a GPU the thread has queued
+        it on its stream, and the caller's current stream now waits for it (an event), as
+        ``work.wait()`` makes it wait for an NCCL collective: work queued after this call on
+        that stream runs once the collective is done, and the host does not block on the GPU."""
+        result, done = self._future.result()
+        if done is not None:
+            torch.cuda.current_stream(done.device).wait_event(done.event)
+        return result
+
+
+@dataclass(frozen=True)
+class _Done:
+    event: torch.cuda.Event
+    device: torch.device
+
+
+class CommThread:
+    """One thread that runs the collectives of a rank, one at a time, in the order they were
+    submitted: the FSDP hooks submit the same collectives in the same order on every rank, so
+    the ranks' rings match, while the main thread goes on computing (the overlap that FSDP's
+    prefetch buys). The caller's :func:`~dpcourse.collectives.count_traffic` sees the messages.
+
+    ``device``: where the tensors are. On a GPU (FSDP2's design, in our words):
+
+    * the thread makes ``device`` its current device, which is per thread: left at ``cuda:0``,
+      rank 1's collectives would run on another rank's GPU, and NCCL can hang;
+    * each collective runs on one of the thread's streams (:data:`STREAMS`), never on the
+      compute stream, where ``work.wait()`` would queue it behind (and ahead of) the matmuls;
+    * before it starts, its stream waits for an event recorded on the caller's stream when it
+      was submitted (its inputs were computed there); :meth:`CommWork.wait` makes the caller's
+      stream wait for an event recorded after it;
+    * a tensor made on one stream and used on another is marked with ``record_stream``, so that
+      the caching allocator does not give its memory away before the other stream is done.
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device if device is not None else "cpu")
+        self.streams: dict[str, torch.cuda.Stream] = {}
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            self.streams = {kind: torch.cuda.Stream(self.device) for kind in STREAMS}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcourse-comm",
+                                        initializer=self._enter)
+
+    def _enter(self) -> None:
+        if self.streams:  # the current device is per thread; the thread starts on cuda:0
+            torch.cuda.set_device(self.device)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, stream: str = "all-gather") -> CommWork:
+        """Run ``fn(*args)`` on the thread (on a GPU, on the stream named ``stream``)."""
+        counters = active_counters()
+        if stream not in STREAMS:
+            raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+        side = self.streams.get(stream)  # None on the CPU
+        ready = None
+        if side is not None:
+            caller = torch.cuda.current_stream(self.device)
+            ready = caller.record_event()  # the inputs are made (queued) up to here
+            for t in tensors_in(args):
+                if t.is_cuda:
+                    t.record_stream(side)
+
+        def run() -> tuple[Any, _Done | None]:
+            with counted_like(counters):
+                if side is None:
+                    return fn(*args), None
+                with torch.cuda.stream(side):
+                    side.wait_event(ready)
+                    result = fn(*args)
+                    return result, _Done(side.record_event(), self.device)
+
+        return CommWork(self._pool.submit(run))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def used_here(tensors: list[torch.Tensor]) -> None:
+    """Mark CUDA tensors that a communication stream made as used by the current stream too,
+    before the caller uses (or frees) them there: their memory is then not reused until the work
+    queued here so far has run. Nothing on the CPU."""
+    for t in tensors:
+        if t.is_cuda and t.untyped_storage().nbytes():
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return module.get_submodule(path), attr
+
+
+@dataclass(eq=False)
+class ShardedLayer:
+    """The parameters of ``module`` (named ``name`` in the wrapped model), sharded over
+    ``world_size`` ranks; this rank is ``rank``. Built by :class:`dpcourse.sharding.fsdp.FSDP`."""
+
+    name: str
+    module: nn.Module
+    rank: int
+    world_size: int
+    compute_dtype: torch.dtype
+    param_names: list[str] = field(default_factory=list)
+    shards: list[nn.Parameter] = field(default_factory=list)
+    full: list[nn.Parameter] = field(default_factory=list)
+    bounds: list[list[tuple[int, int]]] = field(default_factory=list)  # per param, per rank
+    gather: CommWork | None = None  # the all-gather in flight or done; None: not gathered
+    arrived: int = 0  # gradients of trainable parameters arrived in this backward
+    reduced: bool = False  # this backward's reduce-scatter was submitted
+
+    @classmethod
+    def shard(cls, name: str, module: nn.Module, rank: int, world_size: int,
+              compute_dtype: torch.dtype | None) -> ShardedLayer:
+        """Replace every parameter of ``module`` by this rank's rows of it (fp32 masters)."""
+        layer = cls(name, module, rank, world_size, compute_dtype or torch.float32)
+        for pname, p in list(module.named_parameters()):
+            rows = p.shape[0] if p.dim() > 0 else 1
+            full_shape = p.shape if p.dim() > 0 else torch.Size([1])
+            bounds = shard_rows(rows, world_size)
+            r0, r1 = bounds[rank]
+            data = p.detach().reshape(full_shape)[r0:r1].to(torch.float32).clone()
+            shard = nn.Parameter(data, requires_grad=p.requires_grad)
+            full = nn.Parameter(torch.empty(p.shape, dtype=layer.compute_dtype, device=p.device),
+                                requires_grad=p.requires_grad)
+            full.untyped_storage().resize_(0)  # no memory until gathered
+            owner, attr = _owner(module, pname)
+            owner._parameters[attr] = shard
+            layer.param_names.append(pname)
+            layer.shards.append(shard)
+            layer.full.append(full)
+            layer.bounds.append(bounds)
+        return layer
+
+    # -------------------------------------------------------------------------- layout
+    def _row_numel(self, i: int) -> int:
+        shape = self.full[i].shape
+        return max(1, self.full[i].numel() // shape[0]) if len(shape) > 0 else 1
+
+    def chunk_numels(self, trainable_only: bool = False) -> list[int]:
+        """Elements of each rank's chunk of the gather (or reduce-scatter) buffer."""
+        idx = self.trainable() if trainable_only else range(len(self.full))
+        return gather_chunk_numels([tuple(self.full[i].shape) for i in idx], self.world_size)
+
+    def trainable(self) -> list[int]:
+        return [i for i, s in enumerate(self.shards) if s.requires_grad]
+
+    def full_bytes(self) -> int:
+        """Bytes of the full parameters that hold memory now."""
+        return sum(f.untyped_storage().nbytes() for f in self.full)
+
+    # ------------------------------------------------------------ on the communication thread
+    def all_gather(self, into: list[torch.Tensor] | None = None) -> None:
+        """Gather every parameter whole into ``self.full``, in the compute dtype (runs on the
+        communication thread), or into the tensors ``into``, in their dtype (a full state
+        dict gathers the fp32 masters so)."""
+        if into is None:
+            for full in self.full:
+                if full.untyped_storage().nbytes() == 0:  # freed: memory again, same tensor
+                    full.untyped_storage().resize_(full.numel() * full.element_size())
+            into = [full.data for full in self.full]
+        sizes = self.chunk_numels()
+        flat = torch.empty(sum(sizes), dtype=into[0].dtype, device=into[0].device)
+        chunks = list(flat.split(sizes))
+        mine = [s.detach().reshape(-1) for s in self.shards]
+        chunks[self.rank].copy_(torch.cat(mine))  # the cast to the compute dtype is here
+        if self.world_size > 1:
+            ring_all_gather_(chunks, self.rank)
+        for k, chunk in enumerate(chunks):
+            offset = 0
+            for i, target in enumerate(into):
+                r0, r1 = self.bounds[i][k]
+                n = self._row_numel(i) * (r1 - r0)
+                if n:
+                    rows = target.view(-1, self._row_numel(i))[r0:r1]
+                    rows.copy_(chunk[offset : offset + n].view_as(rows))
+                offset += n
+
+    def reduce_scatter(self, flat_grad: torch.Tensor) -> None:
+        """Reduce-scatter the layer's fp32 gradients (laid out by :meth:`pack_grads`), average
+        them and add this rank's rows to the shards' ``.grad`` (communication thread)."""
+        chunks = list(flat_grad.split(self.chunk_numels(trainable_only=True)))
+        if self.world_size > 1:
+            ring_reduce_scatter_(chunks, "sum", self.rank)
+        mine = chunks[self.rank].div_(self.world_size)
+        offset = 0
+        for i in self.trainable():
+            shard = self.shards[i]
+            piece = mine[offset : offset + shard.numel()].view_as(shard)
+            offset += shard.numel()
+            if shard.grad is None:
+                shard.grad = piece.clone()
+            else:
+                shard.grad.add_(piece)
+
+    # ----------------------------------------------------------------------- main thread
+    def pack_grads(self) -> torch.Tensor:
+        """The full gradients in fp32, rank by rank (zeros where a parameter got none), and
+        the full gradients freed."""
+        pieces = []
+        for k in range(self.world_size):
+            for i in self.trainable():
+                full, (r0, r1) = self.full[i], self.bounds[i][k]
+                rows = r1 - r0
+                if full.grad is None:
+                    pieces.append(torch.zeros(rows * self._row_numel(i), device=full.device))
+                else:
+                    pieces.append(full.grad.reshape(-1, self._row_numel(i))[r0:r1]
+                                  .reshape(-1).float())
+        for full in self.full:
+            full.grad = None
+        return torch.cat(pieces) if pieces else torch.zeros(0, device=self.full[0].device)
+
+    def use_full(self, on: bool) -> None:
+        """Put the full parameters (``on``) or the shards back in the module."""
+        for name, shard, full in zip(self.param_names, self.shards, self.full, strict=True):
+            owner, attr = _owner(self.module, name)
+            owner._parameters[attr] = full if on else shard
+
+    def free(self) -> None:
+        """Give the full parameters' memory back (their tensor objects stay for autograd)."""
+        used_here([full.data for full in self.full])  # gathered on a side stream, used here
+        for full in self.full:
+            full.untyped_storage().resize_(0)
+        self.gather = None
