@@ -75,11 +75,14 @@ IB_HDR = Link(
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$")
 
 
-def rate_bits(rate: str) -> float:
-    """A ``tc`` rate such as ``"1gbit"``, ``"400mbit"`` or ``"800kbit"``, in bits per second."""
+def rate_bits(rate: str, name: str = "a link rate") -> float:
+    """A ``tc`` rate such as ``"1gbit"``, ``"400mbit"`` or ``"800kbit"``, in bits per second
+    (``name`` is what the error calls the argument)."""
     match = _RATE.match(rate.strip().lower()) if isinstance(rate, str) else None
-    if match is None:
+    bits = float(match[1]) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]] if match else 0.0
+    if not bits > 0:
         raise ValueError(
-            f"a link rate is a string such as '1gbit', '400mbit' or '100kbit', got {rate!r}"
+            f"{name} must be a rate above 0 written as tc writes it, a string such as "
+            f"'1gbit', '400mbit' or '100kbit'; got {rate!r}"
         )
-    return float(match[1]) * {None: 1, "k": 1e3, "m": 1e6, "g": 1e9}[match[2]]
+    return bits

@@ -21,6 +21,16 @@ and the rendezvous store, hosted by the caller, is reached over the bridge. The 
 bandwidth but no added latency (this kernel has no ``netem``): a message's fixed cost stays
 that of the software, tens of microseconds.
 
+While ranks run, the cluster can break its own network (chapter 8): ``slow_link(node, rate)``
+makes a straggler node, ``cut_link(node)`` takes its cable down, ``restore_link(node)`` brings it
+back at the cluster's rate, ``kill_node(node)`` kills every process inside the node; each now,
+``at_step=`` (the ranks call :func:`fault_point` in their loop), ``after=`` seconds or
+``when=`` a condition. A run that fails after a fault raises its usual error, with a report of
+the fault first: the node lost, the collective each rank was in, what each saw
+(:mod:`dpcourse.harness.faults`). ``collective_timeout`` bounds how long a rank's collective
+waits for a peer that went silent (the process group's timeout), and ``heal()`` or closing the
+cluster undoes every fault.
+
 Needs root (or the capability ``CAP_NET_ADMIN``) and iproute2's ``ip`` and ``tc``; without them
 :class:`EmulatedCluster` raises :class:`ClusterUnavailable`, which says what is missing. What
 it creates carries the caller's process id in its name (``dpc<pid><letter>``) and is removed
@@ -36,10 +46,16 @@ import atexit
 import fcntl
 import itertools
 import os
+import shutil
+import signal
+import tempfile
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dpcourse.cost.hardware import rate_bits
+from dpcourse.harness.faults import FAULT_DIR, Fault, FaultSchedule, fault_point, fault_report
 from dpcourse.harness.netns import (
     PREFIX,
     ClusterUnavailable,
@@ -49,7 +65,7 @@ from dpcourse.harness.netns import (
     remove_stale,
 )
 
-__all__ = ["EmulatedCluster", "ClusterUnavailable", "check_available"]
+__all__ = ["EmulatedCluster", "ClusterUnavailable", "check_available", "Fault", "fault_point"]
 
 _LOCK_FILE = "/run/dpcourse-cluster.lock"  # taken while namespaces and subnets are handed out
 _SUBNET = "10.213.{}"  # one 10.213.x.0/24 per live cluster, the first free x
@@ -88,20 +104,37 @@ class EmulatedCluster:
         ranks_per_node: int = 1,
         link: str = "1gbit",
         node_link: str | None = None,
+        collective_timeout: float | None = None,
     ):
         for name, value in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
                 raise ValueError(f"{name} must be an int from 1 to 64, got {value!r}")
+        if collective_timeout is not None and (
+            isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float))
+            or not collective_timeout > 0
+        ):
+            raise ValueError(
+                "collective_timeout must be a number of seconds above 0 (how long a collective "
+                f"waits for a silent peer), or None for the course's default; got "
+                f"{collective_timeout!r}"
+            )
         self.nodes_count = nodes
         self.ranks_per_node = ranks_per_node
         self.link = link
-        self.link_bits = rate_bits(link)
+        self.link_bits = rate_bits(link, "link")
         self.node_link = node_link
-        self.node_link_bits = rate_bits(node_link) if node_link is not None else None
+        self.node_link_bits = rate_bits(node_link, "node_link") if node_link is not None else None
+        self.collective_timeout = collective_timeout
         self.tag = ""
         self.nodes: list[Node] = []
         self.store_address = ""
+        self.faults: list[Fault] = []  # applied, in order (cleared when the cluster closes)
         self._pools: list = []
+        self._schedule: FaultSchedule | None = None
+        self._control_dir = ""
+        self._cut: set[int] = set()  # nodes whose link is down
+        self._slowed: dict[int, str] = {}  # nodes whose link runs at another rate
+        self._fault_lock = threading.Lock()
 
     @property
     def world_size(self) -> int:
@@ -135,18 +168,32 @@ class EmulatedCluster:
                 remove(self.tag)
                 self.nodes = []
                 raise
+        self._control_dir = tempfile.mkdtemp(prefix="dpcourse-faults-")
+        self._schedule = FaultSchedule(self._apply, self._control_dir)
         with _live_lock:
             _live.append(self)
         return self
 
     def close(self) -> None:
-        """Close the pools running on the cluster, then remove everything it created."""
+        """Close the pools running on the cluster, disarm its faults, kill whatever still runs
+        inside its nodes (torchrun agents, their workers), then remove everything it created."""
+        if self._schedule is not None:
+            self._schedule.stop()
+            self._schedule = None
         for pool in list(self._pools):
             pool.close()
         self._pools.clear()
+        for node in self.nodes:
+            self._kill_processes(node.namespace)
         if self.tag:
             remove(self.tag)
+        if self._control_dir:
+            shutil.rmtree(self._control_dir, ignore_errors=True)
+            self._control_dir = ""
         self.nodes = []
+        self.faults = []
+        self._cut.clear()
+        self._slowed.clear()
         with _live_lock:
             if self in _live:
                 _live.remove(self)
@@ -218,21 +265,215 @@ class EmulatedCluster:
 
     def rank_environment(self, rank: int) -> dict[str, str]:
         """The environment of rank ``rank``: its node's namespace (the worker enters it before
-        anything else), gloo bound to the node's interface, torchrun's local-rank variables."""
+        anything else), gloo bound to the node's interface, torchrun's local-rank variables, the
+        collective timeout and the folder of the fault points."""
         node = self.node_of(rank)
-        return {
+        env = {
             "DPCOURSE_NETNS": node.netns_path,
             "GLOO_SOCKET_IFNAME": "eth0",
             "MASTER_ADDR": self.store_address,
             "LOCAL_RANK": str(rank % self.ranks_per_node),
             "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
             "GROUP_RANK": str(node.index),
+            FAULT_DIR: self._control_dir,
         }
+        if self.collective_timeout is not None:
+            env["DPCOURSE_GROUP_TIMEOUT"] = str(self.collective_timeout)
+        return env
+
+    def check_ready(self) -> None:
+        """A clear error if new ranks could not start: a node whose link is cut cannot reach the
+        rendezvous store (the launcher calls this before it starts ranks)."""
+        if self._cut:
+            nodes = sorted(self._cut)
+            raise RuntimeError(
+                f"the link of node(s) {nodes} is cut: ranks there cannot reach the others. "
+                "Call " + " and ".join(f"cluster.restore_link({n})" for n in nodes)
+                + " (or cluster.heal()) before starting ranks"
+            )
 
     def command(self, node: int, *argv: str) -> list[str]:
         """``argv`` as a command line that runs inside node ``node`` (``ip netns exec``), for
         programs started by hand there, such as chapter 8's torchrun agents."""
         return ["ip", "netns", "exec", self.nodes[node].namespace, *argv]
+
+
+    # -- faults (chapter 8) ------------------------------------------------------------------
+    def slow_link(
+        self,
+        node: int,
+        rate: str,
+        *,
+        at_step: int | None = None,
+        after: float | None = None,
+        when: Callable[[], bool] | None = None,
+    ) -> Fault:
+        """Shape node ``node``'s cable (both directions) to ``rate`` (``"100mbit"``): a straggler
+        node, whose every collective runs at that pace. Now, or at the trigger given (see
+        :meth:`cut_link`). Undone by :meth:`restore_link`, :meth:`heal` or closing."""
+        bits = rate_bits(rate, "rate")
+        return self._fault(Fault("slow", self._node_index(node), detail=f"link slowed to {rate}"),
+                           at_step, after, when, bits=bits, rate=rate)
+
+    def cut_link(
+        self,
+        node: int,
+        *,
+        at_step: int | None = None,
+        after: float | None = None,
+        when: Callable[[], bool] | None = None,
+    ) -> Fault:
+        """Take node ``node``'s cable down, as a pulled cable or a lost switch port: nothing
+        crosses it either way, and no connection is closed (the peers' packets go unanswered).
+
+        Now, or when the ranks reach step ``at_step`` (they call :func:`fault_point` in their
+        loop), ``after`` seconds from now, or as soon as ``when()`` returns true (polled every
+        5 ms: a checkpoint written, a line logged). Returns the :class:`Fault`, whose
+        ``wait()`` blocks until it is applied. Undone by :meth:`restore_link`, :meth:`heal` or
+        closing the cluster."""
+        return self._fault(Fault("cut", self._node_index(node), detail="link cut"),
+                           at_step, after, when)
+
+    def restore_link(
+        self,
+        node: int,
+        *,
+        at_step: int | None = None,
+        after: float | None = None,
+        when: Callable[[], bool] | None = None,
+    ) -> Fault:
+        """Bring node ``node``'s cable back, up and at the cluster's ``link`` rate (the end of a
+        cut or a slow link); connections that were waiting go on where TCP's retransmissions
+        pick them up. Now, or at the trigger given (see :meth:`cut_link`)."""
+        return self._fault(Fault("restore", self._node_index(node),
+                                 detail=f"link restored at {self.link}"),
+                           at_step, after, when)
+
+    def kill_node(
+        self,
+        node: int,
+        *,
+        at_step: int | None = None,
+        after: float | None = None,
+        when: Callable[[], bool] | None = None,
+    ) -> Fault:
+        """SIGKILL every process inside node ``node`` (its ranks, a torchrun agent and its
+        workers), as a machine that loses power: the kernel closes their connections, so the
+        peers hear of it at once. Now, or at the trigger given (see :meth:`cut_link`). The
+        node's network stays: new ranks can start there."""
+        return self._fault(Fault("kill", self._node_index(node), detail="processes killed"),
+                           at_step, after, when)
+
+    def heal(self) -> list[Fault]:
+        """Restore every link that is cut or slowed, now, and disarm the faults not yet applied;
+        returns the restores done."""
+        if self._schedule is not None:
+            self._schedule.stop()
+        return [self.restore_link(n) for n in sorted(self._cut | set(self._slowed))]
+
+    def link_cut(self, node: int) -> bool:
+        """Whether node ``node``'s link is down now."""
+        return self._node_index(node) in self._cut
+
+    def faults_since(self, moment: float) -> list[Fault]:
+        """The faults applied at or after ``time.monotonic()`` == ``moment``, and the cuts and
+        slow links still in effect from before it."""
+        return [f for f in self.faults if f.applied_at is not None and (
+            f.applied_at >= moment
+            or (f.kind == "cut" and f.node in self._cut)
+            or (f.kind == "slow" and f.node in self._slowed))]
+
+    def explain(self, error, since: float) -> None:
+        """Put the story of the faults applied since ``since`` (``time.monotonic()``) at the
+        head of ``error``, a :class:`dpcourse.harness.launch.RankError` raised by a run on this
+        cluster (the launcher calls this); nothing where no fault happened."""
+        faults = self.faults_since(since)
+        report = fault_report(
+            error, faults, lambda r: self.node_of(r).index if self.nodes else r
+            // self.ranks_per_node, {n.address: n.index for n in self.nodes},
+            self.collective_timeout, lambda n: n in self._cut,
+        )
+        if report:
+            error.context = report
+            error.lost_nodes = sorted({f.node for f in faults if f.kind in ("cut", "kill")})
+            error.faults = faults
+
+    def _node_index(self, node: int) -> int:
+        if not isinstance(node, int) or isinstance(node, bool) or not (
+            0 <= node < self.nodes_count
+        ):
+            raise ValueError(
+                f"node must be the index of one of the cluster's {self.nodes_count} nodes, an "
+                f"int from 0 to {self.nodes_count - 1}; got {node!r}"
+            )
+        return node
+
+    def _fault(self, fault: Fault, at_step, after, when, **how) -> Fault:
+        given = [name for name, value in (("at_step", at_step), ("after", after), ("when", when))
+                 if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one trigger of at_step, after and when, not {given}")
+        if at_step is not None and (not isinstance(at_step, int) or isinstance(at_step, bool)
+                                    or at_step < 0):
+            raise ValueError(f"at_step must be a step number (an int from 0), got {at_step!r}")
+        if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
+                                  or after < 0):
+            raise ValueError(f"after must be a number of seconds from 0, got {after!r}")
+        if when is not None and not callable(when):
+            raise ValueError(f"when must be a function of no arguments that returns True when "
+                             f"the fault is due, got {when!r}")
+        if not self.started or self._schedule is None:
+            raise RuntimeError("the cluster is not started: inject faults inside "
+                               "`with EmulatedCluster(...) as cluster:`")
+        fault.how = how
+        if not given:
+            self._apply(fault)
+            fault.done.set()
+            return fault
+        return self._schedule.arm(fault, at_step=at_step, after=after, when=when)
+
+    def _apply(self, fault: Fault) -> None:
+        """Do ``fault`` now (from the caller, or from the schedule's thread)."""
+        node = self.nodes[fault.node]
+        host_end = f"{self.tag}v{fault.node}"
+        with self._fault_lock:
+            if fault.kind == "slow":
+                self._shape(host_end, fault.how["bits"])
+                self._shape("eth0", fault.how["bits"], node.namespace)
+                self._slowed[fault.node] = fault.how["rate"]
+            elif fault.kind == "cut":
+                ip("ip", "link", "set", host_end, "down")  # the node's eth0 loses its carrier
+                self._cut.add(fault.node)
+            elif fault.kind == "restore":
+                ip("ip", "link", "set", host_end, "up")
+                self._shape(host_end, self.link_bits)
+                self._shape("eth0", self.link_bits, node.namespace)
+                self._cut.discard(fault.node)
+                self._slowed.pop(fault.node, None)
+            elif fault.kind == "kill":
+                killed = self._kill_processes(node.namespace)
+                fault.detail = f"{killed} process{'es' if killed != 1 else ''} killed"  # how many
+            fault.applied_at = time.monotonic()
+            self.faults.append(fault)
+
+    @staticmethod
+    def _kill_processes(namespace: str) -> int:
+        """SIGKILL every process in ``namespace`` and wait (up to 10 s) until none is left;
+        returns how many there were."""
+        killed: set[int] = set()
+        deadline = time.monotonic() + 10
+        while True:
+            pids = {int(p) for p in ip("ip", "netns", "pids", namespace, check=False).split()}
+            pids.discard(os.getpid())
+            if not pids or time.monotonic() > deadline:
+                return len(killed)
+            for pid in pids - killed:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            killed |= pids
+            time.sleep(0.02)
 
 
 @atexit.register

@@ -223,16 +223,21 @@ class RankPool:
         with self._lock:
             if self._procs is None:
                 self._spawn()
+            started = time.monotonic()
             try:
                 self._procs.send(("run", payload))
-                replies = self._procs.collect(time.monotonic() + timeout, timeout)
-            except BaseException:
+                replies = self._procs.collect(started + timeout, timeout)
+            except BaseException as exc:
                 # A failed run (or Ctrl-C) can leave ranks inside a collective: start afresh.
                 self._kill_ranks()
+                if self.cluster is not None and isinstance(exc, RankError):
+                    self.cluster.explain(exc, started)  # the faults it injected, if any
                 raise
         return [cloudpickle.loads(replies[i][1]) for i in range(self.world_size)]
 
     def _spawn(self) -> None:
+        if self.cluster is not None:
+            self.cluster.check_ready()  # a node cut off could not join: say so at once
         procs = RankProcesses(
             self.world_size,
             self.backend,

@@ -24,7 +24,11 @@ class RankError(RuntimeError):
 
     ``rank`` is the rank that failed first, ``remote_traceback`` its traceback as text and
     ``original`` the exception itself where it could be sent back (else ``None``). ``others``
-    holds one-line summaries of the ranks that failed after it (often as a consequence).
+    holds one-line summaries of the ranks that failed after it (often as a consequence);
+    ``failures`` every failed rank's own error (this one included) and ``stacks`` the stack of
+    each rank that was still running when the run was stopped, where it was dumped (on an
+    emulated cluster). ``context``, where set (by an emulated cluster that injected a fault:
+    :meth:`dpcourse.harness.cluster.EmulatedCluster.explain`), is printed first.
     """
 
     def __init__(
@@ -42,10 +46,15 @@ class RankError(RuntimeError):
         self.remote_traceback = remote_traceback
         self.original = original
         self.others = others or []
+        self.failures: dict[int, RankError] = {rank: self}
+        self.stacks: dict[int, str] = {}
+        self.context = ""
         super().__init__(rank, summary)
 
     def __str__(self) -> str:
         text = f"rank {self.rank} of {self.world_size} {self.summary}"
+        if self.context:
+            text = f"{self.context}\n\nThe first error, as rank {self.rank} raised it:\n{text}"
         if self.remote_traceback:
             text += f"\n\n{self._traceback_heading()}\n{self.remote_traceback.rstrip()}"
         if self.others:
@@ -75,7 +84,6 @@ class RankTimeoutError(RankError, TimeoutError):
         starting: bool = False,
     ):
         self.stalled = stalled
-        self.stacks = stacks
         what = "start" if starting else "finish"
         summary = (
             f"did not {what} within the timeout of {timeout:g} s and were killed. A rank waiting "
@@ -88,10 +96,14 @@ class RankTimeoutError(RankError, TimeoutError):
             if stacks.get(r)
         )
         super().__init__(stalled[0], world_size, summary, stack_text)
+        self.failures = {}  # no rank failed: they stalled
+        self.stacks = stacks
 
     def __str__(self) -> str:
         head = f"ranks {self.stalled}" if len(self.stalled) > 1 else f"rank {self.stalled[0]}"
         text = f"{head} of {self.world_size} {self.summary}"
+        if self.context:
+            text = f"{self.context}\n\nThe error:\n{text}"
         if self.remote_traceback:
             text += f"\n\n{self.remote_traceback.rstrip()}"
         return text

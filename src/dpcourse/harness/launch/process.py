@@ -245,10 +245,13 @@ class RankProcesses:
         if failures:
             first = failures[0][1]
             first.others.extend(f"rank {r}: {e.summary.splitlines()[0]}" for r, e in failures[1:])
+            first.failures = dict(failures)
             done = set(replies) | {r for r, _ in failures}
             unfinished = [r.rank for r in self.ranks if r.rank not in done]
             if unfinished:
                 first.others.append(f"ranks {unfinished} were still running and were killed")
+                if self.cluster is not None:  # where they were, for the cluster's fault report
+                    first.stacks = self._dump_stacks(unfinished)
             raise first
         return replies
 
@@ -285,22 +288,28 @@ class RankProcesses:
     def _timeout_error(
         self, stalled: list[int], timeout: float, starting: bool
     ) -> RankTimeoutError:
+        stacks = self._dump_stacks(stalled)
+        return RankTimeoutError(stalled, self.world_size, timeout, stacks, starting)
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The Python stack each of ``ranks`` is in now (most recent call first), where the
+        rank is alive to dump it."""
         stacks: dict[int, str] = {}
         for r in self.ranks:
-            if r.rank in stalled and r.proc.poll() is None:
+            if r.rank in ranks and r.proc.poll() is None:
                 try:
                     os.kill(r.proc.pid, signal.SIGUSR1)  # faulthandler dumps the rank's stack
                 except ProcessLookupError:
                     pass
         time.sleep(0.3)
         for r in self.ranks:
-            if r.rank in stalled:
+            if r.rank in ranks:
                 try:
                     with open(r.stack_file) as f:
                         stacks[r.rank] = annotate_stack(learner_stack(f.read()))
                 except OSError:
                     pass
-        return RankTimeoutError(stalled, self.world_size, timeout, stacks, starting)
+        return stacks
 
     def stop(self) -> None:
         """Ask every rank to leave the process group and exit; warn about any that does not."""

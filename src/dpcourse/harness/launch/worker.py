@@ -151,8 +151,14 @@ def serve(fd: int) -> None:
             timeout=datetime.timedelta(seconds=float(os.environ["DPCOURSE_START_TIMEOUT"])),
         )
         device_audit.enable_if_requested()  # a forked rank got its environment only now
+        # How long a collective waits for a peer before it fails: an emulated cluster's
+        # collective_timeout, else the course's default
+        group_timeout = os.environ.get("DPCOURSE_GROUP_TIMEOUT")
+        timeout = (datetime.timedelta(seconds=float(group_timeout)) if group_timeout
+                   else runtime.DEFAULT_PG_TIMEOUT)
         try:
-            runtime.init_process_group(os.environ["DPCOURSE_BACKEND"], store=store)
+            runtime.init_process_group(os.environ["DPCOURSE_BACKEND"], store=store,
+                                       timeout=timeout)
         except Exception as exc:
             if "out of memory" not in str(exc).lower():
                 raise
