@@ -149,25 +149,27 @@ def _resolve_post_ahead(post_ahead: bool | None) -> bool:
 # 2-core machine. Same messages, same additions in the same order: the same result, bit for bit.
 
 
-def _post_reduce_scatter(chunks: list[torch.Tensor], rank: int) -> list[tuple]:
+def _post_reduce_scatter(chunks: list[torch.Tensor], rank: int, group=None) -> list[tuple]:
     """Post phase 1's receives: (buffer, handle) per step. Each gets a slot of its own in a
-    reused buffer; it cannot land in its chunk, which still holds this rank's own values."""
+    reused buffer; it cannot land in its chunk, which still holds this rank's own values.
+    ``group``: a sub-group, in which ``rank`` is this rank's (as for :func:`reduce_scatter_`)."""
     world = len(chunks)
     sizes = [
         chunks[ring_schedule("reduce-scatter", rank, step, world)[1]].numel()
         for step in range(world - 1)
     ]
     slots = _receive_buffer(sum(sizes), chunks[0]).split(sizes)
-    return [(slot, irecv(slot, (rank - 1) % world)) for slot in slots]
+    return [(slot, irecv(slot, (rank - 1) % world, group)) for slot in slots]
 
 
-def _post_all_gather(chunks: list[torch.Tensor], rank: int) -> list[Waitable]:
+def _post_all_gather(chunks: list[torch.Tensor], rank: int, group=None) -> list[Waitable]:
     """Post phase 2's receives, straight into the chunks they fill. Safe even before phase 1:
     the finished chunk c reaches this rank only after going once round the ring, long after
     this rank added into c and sent it on."""
     world = len(chunks)
     return [
-        irecv(chunks[ring_schedule("all-gather", rank, step, world)[1]], (rank - 1) % world)
+        irecv(chunks[ring_schedule("all-gather", rank, step, world)[1]], (rank - 1) % world,
+              group)
         for step in range(world - 1)
     ]
 
@@ -183,23 +185,25 @@ def reduce_scatter_posted_ahead_(
     rank: int,
     posted: list[tuple] | None = None,
     sends: list[Waitable] | None = None,
+    group=None,
 ) -> None:
     """:func:`reduce_scatter_` with every receive posted before the first send. ``posted``:
     this phase's receives, if the caller posted them already; ``sends``: a list to leave the
-    sends in, for the caller to wait for (otherwise they are waited for here). Not on NCCL."""
+    sends in, for the caller to wait for (otherwise they are waited for here); ``group`` as
+    for :func:`reduce_scatter_`. Not on NCCL."""
     world = len(chunks)
     if world == 1:
         return
     right = (rank + 1) % world
-    posted = posted if posted is not None else _post_reduce_scatter(chunks, rank)
+    posted = posted if posted is not None else _post_reduce_scatter(chunks, rank, group)
     mine = [] if sends is None else sends
-    mine.append(isend(chunks[ring_schedule("reduce-scatter", rank, 0, world)[0]], right))
+    mine.append(isend(chunks[ring_schedule("reduce-scatter", rank, 0, world)[0]], right, group))
     for step, (buf, receive) in enumerate(posted):
         received = ring_schedule("reduce-scatter", rank, step, world)[1]
         receive.wait()
         combine_(chunks[received], buf, op)
         if step < world - 2:  # the chunk just added to is the one to send at the next step
-            mine.append(isend(chunks[received], right))
+            mine.append(isend(chunks[received], right, group))
     if sends is None:
         _wait_all(mine)
 
@@ -209,20 +213,22 @@ def all_gather_posted_ahead_(
     rank: int,
     posted: list[Waitable] | None = None,
     sends: list[Waitable] | None = None,
+    group=None,
 ) -> None:
-    """:func:`all_gather_` with every receive posted before the first send; ``posted`` and
-    ``sends`` as for :func:`reduce_scatter_posted_ahead_`. Not on NCCL."""
+    """:func:`all_gather_` with every receive posted before the first send; ``posted``,
+    ``sends`` and ``group`` as for :func:`reduce_scatter_posted_ahead_`. Not on NCCL."""
     world = len(chunks)
     if world == 1:
         return
     right = (rank + 1) % world
-    posted = posted if posted is not None else _post_all_gather(chunks, rank)
+    posted = posted if posted is not None else _post_all_gather(chunks, rank, group)
     mine = [] if sends is None else sends
-    mine.append(isend(chunks[rank], right))
+    mine.append(isend(chunks[rank], right, group))
     for step, receive in enumerate(posted):
         receive.wait()
         if step < world - 2:  # pass the chunk just received on to the right
-            mine.append(isend(chunks[ring_schedule("all-gather", rank, step, world)[1]], right))
+            mine.append(isend(chunks[ring_schedule("all-gather", rank, step, world)[1]], right,
+                              group))
     if sends is None:
         _wait_all(mine)
 
@@ -254,16 +260,25 @@ def ring_all_reduce_posted_ahead(
 
 
 # ------------------------------------------------------------- the phases as collectives
-def ring_reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int) -> None:
+def ring_reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int, group=None) -> None:
     """Phase 1 in place on the chunks, the fastest way this backend allows: receives posted
     ahead where :func:`~dpcourse.collectives.p2p.posts_ahead`, else step by step. Chapter 9's
-    ``ShardedOptimizer`` reduce-scatters its gradients with it."""
-    (reduce_scatter_posted_ahead_ if posts_ahead() else reduce_scatter_)(chunks, op, rank)
+    ``ShardedOptimizer`` reduce-scatters its gradients with it. ``group``: a sub-group of
+    ``len(chunks)`` ranks in which ``rank`` is this rank's (chapter 11's hybrid sharding runs
+    the ring inside a node)."""
+    if posts_ahead():
+        reduce_scatter_posted_ahead_(chunks, op, rank, group=group)
+    else:
+        reduce_scatter_(chunks, op, rank, group)
 
 
-def ring_all_gather_(chunks: list[torch.Tensor], rank: int) -> None:
-    """Phase 2 in place on the chunks, as :func:`ring_reduce_scatter_` chooses."""
-    (all_gather_posted_ahead_ if posts_ahead() else all_gather_)(chunks, rank)
+def ring_all_gather_(chunks: list[torch.Tensor], rank: int, group=None) -> None:
+    """Phase 2 in place on the chunks, as :func:`ring_reduce_scatter_` chooses; ``group`` as
+    there."""
+    if posts_ahead():
+        all_gather_posted_ahead_(chunks, rank, group=group)
+    else:
+        all_gather_(chunks, rank, group)
 
 
 def ring_reduce_scatter(

@@ -34,15 +34,29 @@ rank's gradients are made non-finite and every rank skips the step, as with DDP'
 (torch's ``ShardedGradScaler`` all-reduces its flag for the same reason). A step is
 ``loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()``.
 
+Chapter 11 gives it the knobs of ``fully_shard``: a mixed-precision policy (``mp_policy``, with
+torch's ``MixedPrecisionPolicy`` or anything with its four fields: the dtype of the gathered
+parameters, of the gradient reduction, of the output); ``reshard_after_forward=False``, which
+keeps each layer's gathered parameters from its forward to its backward (one all-gather per
+layer and step instead of two, for the memory of every layer gathered at once, ZeRO-2's);
+gradient accumulation without synchronising (:meth:`FSDP.set_requires_gradient_sync`,
+:meth:`FSDP.no_sync`: the full gradients are kept, no reduce-scatter per micro-batch); a layer's
+forward run again in backward by activation checkpointing, which reuses the gathered parameters
+instead of gathering them a second time (:meth:`FSDP.in_backward`); and sharding over a
+sub-group of ranks, replicated across such groups (``shard_group``, ``replicate_group``: hybrid
+sharding, :mod:`dpcourse.sharding.hsdp`).
+
 Chapter 9: ZeRO stage 3 / FSDP from scratch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dpcourse.collectives.p2p import rank_and_size
@@ -65,14 +79,37 @@ class FSDP(nn.Module):
     (the first forward records it). ``compute_dtype`` (``torch.float16`` or ``bfloat16``): the
     sharded layers compute in it, on inputs cast to it; the masters and the gradient reduction
     stay fp32. ``fsdp.module.named_parameters()`` are the shards and the replicated parameters.
+
+    Chapter 11's knobs (keyword arguments):
+
+    * ``mp_policy``: torch's ``MixedPrecisionPolicy`` (or any object with its fields
+      ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``), read as
+      ``fully_shard`` reads it: the layers are gathered and compute in ``param_dtype``; the
+      gradients are reduced in ``reduce_dtype``, which defaults to ``param_dtype`` (not to fp32,
+      as ``compute_dtype`` does); the wrapped model's floating-point outputs are cast to
+      ``output_dtype``. Not together with ``compute_dtype``.
+    * ``reshard_after_forward``: False keeps a layer's gathered parameters from its forward
+      until its gradients are reduced, so backward does not gather it again.
+    * ``shard_group``, ``replicate_group``: shard over the ranks of ``shard_group`` only (a
+      ``dist.new_group`` that holds this rank), and sum each reduced chunk over
+      ``replicate_group`` (the ranks that hold the same rows): hybrid sharding. By default every
+      rank is in one shard group.
     """
 
     def __init__(self, module: nn.Module, *, layers: Iterable[str] | None = None,
-                 compute_dtype: torch.dtype | None = None, prefetch: bool = True) -> None:
+                 compute_dtype: torch.dtype | None = None, prefetch: bool = True,
+                 mp_policy: Any = None, reshard_after_forward: bool = True,
+                 shard_group: Any = None, replicate_group: Any = None) -> None:
         super().__init__()
         self.rank, self.world_size = rank_and_size()  # a clear error without a process group
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype}")
+        param_dtype, reduce_dtype, output_dtype, cast_inputs = _precision(compute_dtype, mp_policy)
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError("reshard_after_forward must be True or False (fully_shard's int, a "
+                            f"smaller group to reshard to, is not supported), got "
+                            f"{reshard_after_forward!r}")
+        shard_rank, shard_size, replicas = self._layout(shard_group, replicate_group)
         devices = sorted({str(t.device) for t in [*module.parameters(), *module.buffers()]})
         if len(devices) > 1:
             raise ValueError(f"the module is on several devices ({', '.join(devices)}): FSDP "
@@ -89,19 +126,25 @@ class FSDP(nn.Module):
                 if a != b and b.startswith(a + "."):
                     raise ValueError(f"layer {b!r} is inside layer {a!r}: shard one or the other")
         _check_not_shared(module, names)
+        self.device = torch.device(devices[0] if devices else "cpu")
         for t in [*module.parameters(), *module.buffers()]:  # the replicas start equal
-            if self.world_size > 1:
+            if self.world_size > 1 and not self.device.type == "meta":  # meta: no values yet
                 tree_broadcast(t.data, src=0)
         self.module = module
         self.prefetch = prefetch
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = param_dtype  # chapter 9's name for it
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.output_dtype, self.cast_forward_inputs = output_dtype, cast_inputs
+        self.reshard_after_forward = reshard_after_forward
+        self.shard_group, self.replicate_group = shard_group, replicate_group
         sharded = {id(p) for n in names for p in modules[n].parameters()}
         self.replicated = [p for p in module.parameters() if id(p) not in sharded]
         owners = {m for m in module.modules()  # of replicated parameters: they compute in fp32
                   if any(id(p) not in sharded for p in m.parameters(recurse=False))}
-        self.layers = [ShardedLayer.shard(n, modules[n], self.rank, self.world_size,
-                                          compute_dtype) for n in names]
-        self.device = torch.device(devices[0] if devices else "cpu")
+        self.layers = [ShardedLayer.shard(n, modules[n], shard_rank, shard_size, param_dtype,
+                                          reduce_dtype=reduce_dtype, group=shard_group,
+                                          replicate_group=replicate_group, replicas=replicas)
+                       for n in names]
         self.comm = CommThread(self.device)
         self._order: list[ShardedLayer] = []  # forward order, recorded by the first forward
         self._recorded = False
@@ -110,6 +153,8 @@ class FSDP(nn.Module):
         # on this rank, and the .grad it had before (kept if no rank used it)
         self._seen: dict[nn.Parameter, tuple[bool, torch.Tensor | None]] = {}
         self._needs_sync = False
+        self._sync = True  # reduce-scatter in this backward (set_requires_gradient_sync)
+        self._backward = False  # this forward's backward has begun (in_backward)
         # any rank's gradients not finite (an fp16 overflow): on the device, no host sync
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         for layer in self.layers:
@@ -117,9 +162,30 @@ class FSDP(nn.Module):
             layer.module.register_forward_hook(self._post_forward(layer))
             for i in layer.trainable():
                 layer.full[i].register_post_accumulate_grad_hook(self._grad_arrived(layer))
-        if compute_dtype is not None:
+        if param_dtype is not None:
             for m in owners:
                 m.register_forward_pre_hook(_cast_inputs(torch.float32))
+
+    def _layout(self, shard_group: Any, replicate_group: Any) -> tuple[int, int, int]:
+        """(this rank in its shard group, the shard group's size, the replicate group's size),
+        checked: the groups must hold this rank and multiply to the world size."""
+        if shard_group is None:
+            if replicate_group is not None:
+                raise ValueError("replicate_group needs a shard_group: the ranks of a shard "
+                                 "group shard each layer, the replicate group sums across them")
+            return self.rank, self.world_size, 1
+        shard_rank = dist.get_rank(shard_group)
+        replicate_rank = 0 if replicate_group is None else dist.get_rank(replicate_group)
+        if shard_rank < 0 or replicate_rank < 0:
+            raise ValueError(f"rank {self.rank} is not in the shard_group or replicate_group it "
+                             "was given: pass the groups this rank belongs to")
+        replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        if dist.get_world_size(shard_group) * replicas != self.world_size:
+            raise ValueError(
+                f"a shard group of {dist.get_world_size(shard_group)} ranks times a replicate "
+                f"group of {replicas} is not the world's {self.world_size} ranks: every rank "
+                "must hold one shard of one replica (HSDP's nodes x ranks per node)")
+        return shard_rank, dist.get_world_size(shard_group), replicas
 
     # --------------------------------------------------------------------------- hooks
     def _gather(self, layer: ShardedLayer) -> None:
@@ -132,22 +198,36 @@ class FSDP(nn.Module):
         i = self._order.index(layer) + step
         return self._order[i] if 0 <= i < len(self._order) else None
 
+    def in_backward(self) -> bool:
+        """Whether the backward of the last forward has begun (the gradient of the wrapped
+        model's output has arrived) and not yet been synchronised. A layer's forward that runs
+        then is a recomputation (activation checkpointing): it uses the parameters that backward
+        gathers, or gathers them for backward, and does not free them."""
+        return self._backward
+
     def _pre_forward(self, layer: ShardedLayer):
         def hook(module: nn.Module, args: tuple) -> tuple:
-            if not self._recorded:
+            recomputing = self.in_backward()
+            if not self._recorded and not recomputing:
                 self._order.append(layer)
-            self._gather(layer)
+            self._gather(layer)  # a recomputation finds the layer gathered for its backward
             layer.gather.wait()  # this layer's parameters are here (on a GPU: will be)
-            if self.prefetch and (nxt := self._neighbour(layer, +1)) is not None:
+            if (self.prefetch and not recomputing
+                    and (nxt := self._neighbour(layer, +1)) is not None):
                 self._gather(nxt)  # on the wire while this layer computes
             layer.use_full(True)
-            return _cast(args, self.compute_dtype) if self.compute_dtype else args
+            if self.param_dtype is None or not self.cast_forward_inputs:
+                return args
+            return _cast(args, self.param_dtype)
         return hook
 
     def _post_forward(self, layer: ShardedLayer):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             layer.use_full(False)
-            layer.free()
+            if self.in_backward():  # a recomputation: backward uses these parameters next
+                return
+            if self.reshard_after_forward:
+                layer.free()
             for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad: self._pre_backward(layer))
@@ -166,7 +246,10 @@ class FSDP(nn.Module):
         def hook(param: torch.Tensor) -> None:
             layer.arrived += 1
             if layer.arrived == len(layer.trainable()):
-                self._reduce(layer)
+                if self._sync:
+                    self._reduce(layer)
+                else:  # accumulating: keep the full gradients, send nothing
+                    layer.accumulate()
                 if len(layer.trainable()) == len(layer.full):  # no frozen weight still needed
                     layer.free()
         return hook
@@ -174,7 +257,7 @@ class FSDP(nn.Module):
     def _reduce(self, layer: ShardedLayer) -> None:
         layer.reduced = True
         for i in layer.trainable():
-            self._seen[layer.shards[i]] = (layer.full[i].grad is not None, layer.shards[i].grad)
+            self._seen[layer.shards[i]] = (layer.has_grad(i), layer.shards[i].grad)
         flat = layer.pack_grads()
         self._nonfinite |= ~torch.isfinite(flat).all()
         self._pending.append(self.comm.submit(layer.reduce_scatter, flat,
@@ -186,14 +269,48 @@ class FSDP(nn.Module):
             raise RuntimeError(
                 "forward was called again before the previous backward's gradients were "
                 "synchronised: call fsdp.finish_gradient_synchronization() after backward and "
-                "before optimizer.step()"
+                "before optimizer.step() (or, to accumulate gradients over micro-batches "
+                "without synchronising, run their forward and backward in `with fsdp.no_sync():`)"
             )
+        self._backward = False
         for layer in self.layers:
             layer.arrived, layer.reduced = 0, False
+            if layer.gather is not None:  # kept from a forward whose backward never ran
+                layer.gather.wait()  # (evaluation with reshard_after_forward=False)
+                layer.free()
         out = self.module(*args, **kwargs)
         self._recorded = True
-        self._needs_sync = any(t.requires_grad for t in tensors_in(out))
+        if self.output_dtype is not None:
+            out = _cast_outputs(out, self.output_dtype)
+        grads = [t for t in tensors_in(out) if t.requires_grad]
+        self._needs_sync = bool(grads) and self._sync
+        for t in grads:  # backward starts here: the first gradient to arrive is the output's
+            t.register_hook(self._backward_begins)
         return out
+
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        self._backward = True
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """Whether the backward passes that follow reduce-scatter the gradients (True, the
+        default) or keep each layer's full gradients on this rank, added up over the
+        micro-batches, in the reduce dtype (False): no communication, the memory of unsharded
+        gradients. The backward after turning it on again reduces the sum. As ``fully_shard``'s
+        method of the same name."""
+        if not isinstance(requires, bool):
+            raise TypeError(f"requires must be True or False, got {requires!r}")
+        self._sync = requires
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside the block, backward accumulates full gradients without synchronising them
+        (as DDP's ``no_sync``): run the last micro-batch outside it."""
+        before = self._sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(before)
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
@@ -203,6 +320,7 @@ class FSDP(nn.Module):
         any rank's gradients were not finite, every rank's are (a NaN in each), so that a
         ``GradScaler`` skips the step on every rank; a parameter that no rank used has the
         gradient it had before this backward (``None`` after ``zero_grad``)."""
+        self._backward = False
         for layer in self.layers:
             if not layer.reduced and layer.trainable():
                 self._reduce(layer)
@@ -274,6 +392,13 @@ class FSDP(nn.Module):
         return sum(sum(f.numel() * f.element_size() for f in layer.full)
                    for layer in self.layers if layer.gather is not None or layer.full_bytes())
 
+    def unsharded_grad_bytes(self) -> int:
+        """Bytes of full gradients this rank holds now: those of a layer whose backward ran and
+        whose gradients are not yet reduced, and those accumulated without synchronising."""
+        return sum(sum(f.grad.numel() * f.grad.element_size() for f in layer.full
+                       if f.grad is not None) + layer.accumulated_bytes()
+                   for layer in self.layers)
+
     def close(self) -> None:
         """Stop the communication thread (it also stops with the process)."""
         self.comm.close()
@@ -301,6 +426,40 @@ def _check_not_shared(module: nn.Module, names: list[str]) -> None:
 def _cast(args: tuple, dtype: torch.dtype) -> tuple:
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)
+
+
+def _cast_outputs(out: Any, dtype: torch.dtype) -> Any:
+    """``out`` with its floating-point tensors cast to ``dtype`` (tuples, lists, dicts kept)."""
+    if isinstance(out, torch.Tensor):
+        return out.to(dtype) if out.is_floating_point() else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cast_outputs(o, dtype) for o in out)
+    if isinstance(out, dict):
+        return {k: _cast_outputs(v, dtype) for k, v in out.items()}
+    return out
+
+
+def _precision(compute_dtype: torch.dtype | None, mp_policy: Any
+               ) -> tuple[torch.dtype | None, torch.dtype, torch.dtype | None, bool]:
+    """(gathered parameters' dtype, reduction dtype, output dtype, cast inputs) from chapter 9's
+    ``compute_dtype`` (reduction in fp32) or a ``MixedPrecisionPolicy`` (read as
+    ``fully_shard`` reads it: the reduction in ``param_dtype`` unless ``reduce_dtype`` says)."""
+    if mp_policy is None:
+        return compute_dtype, torch.float32, None, True
+    if compute_dtype is not None:
+        raise ValueError("pass compute_dtype or mp_policy, not both: mp_policy.param_dtype is "
+                         "the compute dtype")
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    missing = [f for f in fields if not hasattr(mp_policy, f)]
+    if missing:
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy (from "
+                        f"torch.distributed.fsdp) or have its fields; missing {missing}")
+    param, reduce = mp_policy.param_dtype, mp_policy.reduce_dtype
+    for name, dtype in (("param_dtype", param), ("reduce_dtype", reduce)):
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"mp_policy.{name} must be one of {COMPUTE_DTYPES}, got {dtype}")
+    reduce = reduce or param or torch.float32
+    return param, reduce, mp_policy.output_dtype, bool(mp_policy.cast_forward_inputs)
 
 
 def _cast_inputs(dtype: torch.dtype):

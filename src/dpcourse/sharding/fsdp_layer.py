@@ -18,6 +18,15 @@
   gather buffer is (trainable parameters only); after the ring reduce-scatter rank r's chunk
   is the sum of its rows' gradients, which it divides by N and adds to its shards' ``.grad``.
 
+Chapter 11 adds three things. The gradients can be reduced in another dtype than fp32
+(``reduce_dtype``, as FSDP2's ``MixedPrecisionPolicy`` does). Between micro-batches whose
+gradients are not synchronised, :meth:`ShardedLayer.accumulate` keeps the full gradients, in
+the reduce dtype, for the next reduce-scatter. And a layer can be sharded over a sub-group of the
+ranks (``group``: the ranks of one node) and replicated across such groups
+(``replicate_group``: the ranks, one per node, that hold the same rows): that is hybrid sharding
+(HSDP), whose reduce-scatter inside the node is followed by an all-reduce of this rank's chunk
+across the nodes (:meth:`ShardedLayer.reduce_across_replicas`).
+
 :class:`CommThread` runs the collectives on one thread, in the order they are submitted: the same
 on every rank, as a CUDA stream would run them. The layer's compute goes on meanwhile. On a GPU
 the thread works on the rank's device and queues its work on streams of its own, one for the
@@ -37,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dpcourse.collectives.ops import chunk_bounds
@@ -178,13 +188,22 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 @dataclass(eq=False)
 class ShardedLayer:
     """The parameters of ``module`` (named ``name`` in the wrapped model), sharded over
-    ``world_size`` ranks; this rank is ``rank``. Built by :class:`dpcourse.sharding.fsdp.FSDP`."""
+    ``world_size`` ranks; this rank is ``rank``. Built by :class:`dpcourse.sharding.fsdp.FSDP`.
+
+    ``group``: the process group of those ranks, in which ``rank`` is this rank's (None: every
+    rank). ``replicate_group``: the ranks that hold the same rows as this one, one per shard
+    group (None: there is one shard group); ``replicas`` is its size. ``reduce_dtype``: the
+    dtype the gradients are reduced in."""
 
     name: str
     module: nn.Module
     rank: int
     world_size: int
     compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype = torch.float32
+    group: Any = None  # a torch.distributed ProcessGroup, or None: every rank
+    replicate_group: Any = None
+    replicas: int = 1
     param_names: list[str] = field(default_factory=list)
     shards: list[nn.Parameter] = field(default_factory=list)
     full: list[nn.Parameter] = field(default_factory=list)
@@ -192,12 +211,19 @@ class ShardedLayer:
     gather: CommWork | None = None  # the all-gather in flight or done; None: not gathered
     arrived: int = 0  # gradients of trainable parameters arrived in this backward
     reduced: bool = False  # this backward's reduce-scatter was submitted
+    # full gradients of earlier micro-batches not yet reduced (per parameter, reduce dtype)
+    accumulated: list[torch.Tensor | None] = field(default_factory=list)
 
     @classmethod
     def shard(cls, name: str, module: nn.Module, rank: int, world_size: int,
-              compute_dtype: torch.dtype | None) -> ShardedLayer:
-        """Replace every parameter of ``module`` by this rank's rows of it (fp32 masters)."""
-        layer = cls(name, module, rank, world_size, compute_dtype or torch.float32)
+              compute_dtype: torch.dtype | None, *, reduce_dtype: torch.dtype = torch.float32,
+              group: Any = None, replicate_group: Any = None, replicas: int = 1
+              ) -> ShardedLayer:
+        """Replace every parameter of ``module`` by this rank's rows of it (fp32 masters). On
+        the ``meta`` device the shards and full parameters are made on ``meta`` too, with no
+        memory (chapter 11 then materialises the shards)."""
+        layer = cls(name, module, rank, world_size, compute_dtype or torch.float32,
+                    reduce_dtype, group, replicate_group, replicas)
         for pname, p in list(module.named_parameters()):
             rows = p.shape[0] if p.dim() > 0 else 1
             full_shape = p.shape if p.dim() > 0 else torch.Size([1])
@@ -207,13 +233,15 @@ class ShardedLayer:
             shard = nn.Parameter(data, requires_grad=p.requires_grad)
             full = nn.Parameter(torch.empty(p.shape, dtype=layer.compute_dtype, device=p.device),
                                 requires_grad=p.requires_grad)
-            full.untyped_storage().resize_(0)  # no memory until gathered
+            if not full.is_meta:
+                full.untyped_storage().resize_(0)  # no memory until gathered
             owner, attr = _owner(module, pname)
             owner._parameters[attr] = shard
             layer.param_names.append(pname)
             layer.shards.append(shard)
             layer.full.append(full)
             layer.bounds.append(bounds)
+            layer.accumulated.append(None)
         return layer
 
     # -------------------------------------------------------------------------- layout
@@ -249,7 +277,7 @@ class ShardedLayer:
         mine = [s.detach().reshape(-1) for s in self.shards]
         chunks[self.rank].copy_(torch.cat(mine))  # the cast to the compute dtype is here
         if self.world_size > 1:
-            ring_all_gather_(chunks, self.rank)
+            ring_all_gather_(chunks, self.rank, self.group)
         for k, chunk in enumerate(chunks):
             offset = 0
             for i, target in enumerate(into):
@@ -261,39 +289,86 @@ class ShardedLayer:
                 offset += n
 
     def reduce_scatter(self, flat_grad: torch.Tensor) -> None:
-        """Reduce-scatter the layer's fp32 gradients (laid out by :meth:`pack_grads`), average
-        them and add this rank's rows to the shards' ``.grad`` (communication thread)."""
+        """Reduce-scatter the layer's gradients (laid out by :meth:`pack_grads`, in the reduce
+        dtype), sum this rank's chunk over the replicas (HSDP), average and add this rank's rows
+        to the shards' ``.grad``, in fp32 (communication thread)."""
         chunks = list(flat_grad.split(self.chunk_numels(trainable_only=True)))
         if self.world_size > 1:
-            ring_reduce_scatter_(chunks, "sum", self.rank)
-        mine = chunks[self.rank].div_(self.world_size)
+            ring_reduce_scatter_(chunks, "sum", self.rank, self.group)
+        mine = self.reduce_across_replicas(chunks[self.rank])
+        mine.div_(self.world_size * self.replicas)  # every rank's gradient counts once
         offset = 0
         for i in self.trainable():
             shard = self.shards[i]
-            piece = mine[offset : offset + shard.numel()].view_as(shard)
+            piece = mine[offset : offset + shard.numel()].view_as(shard).to(shard.dtype)
             offset += shard.numel()
             if shard.grad is None:
                 shard.grad = piece.clone()
             else:
                 shard.grad.add_(piece)
 
+    def reduce_across_replicas(self, chunk: torch.Tensor) -> torch.Tensor:
+        """HSDP's second step: ``chunk``, this rank's rows summed over its shard group, summed
+        in place over the replicate group too (a ring all-reduce among the ranks that hold
+        the same rows, one per node), so that it is the sum over every rank. Without a
+        replicate group, ``chunk`` as it is."""
+        if self.replicate_group is None or self.replicas == 1:
+            return chunk
+        me = dist.get_rank(self.replicate_group)
+        pieces = chunk.tensor_split(self.replicas)  # views: the ring works in place
+        ring_reduce_scatter_(pieces, "sum", me, self.replicate_group)
+        ring_all_gather_(pieces, me, self.replicate_group)
+        return chunk
+
     # ----------------------------------------------------------------------- main thread
+    def has_grad(self, i: int) -> bool:
+        """Whether parameter ``i`` got a gradient since the last reduce-scatter (in this
+        backward or in a micro-batch accumulated before it)."""
+        return self.full[i].grad is not None or self.accumulated[i] is not None
+
+    def accumulate(self) -> None:
+        """Gradient accumulation without synchronisation: add the full gradients of this
+        backward to those kept from earlier micro-batches, in the reduce dtype, and free them
+        (the full gradients stay on this rank, whole, until a backward that synchronises)."""
+        for i in self.trainable():
+            grad = self.full[i].grad
+            if grad is None:
+                continue
+            if self.accumulated[i] is None:
+                self.accumulated[i] = grad.detach().to(self.reduce_dtype, copy=True)
+            else:
+                self.accumulated[i].add_(grad.detach().to(self.reduce_dtype))
+            self.full[i].grad = None
+
+    def accumulated_bytes(self) -> int:
+        """Bytes of full gradients kept between micro-batches that were not synchronised."""
+        return sum(a.numel() * a.element_size() for a in self.accumulated if a is not None)
+
     def pack_grads(self) -> torch.Tensor:
-        """The full gradients in fp32, rank by rank (zeros where a parameter got none), and
-        the full gradients freed."""
+        """The full gradients in the reduce dtype, rank by rank (zeros where a parameter got
+        none), the accumulated ones of earlier micro-batches added; the full gradients freed."""
         pieces = []
+        grads = {}
+        for i in self.trainable():
+            grad, kept = self.full[i].grad, self.accumulated[i]
+            if grad is not None:
+                grad = grad.detach().to(self.reduce_dtype)
+            grads[i] = grad if kept is None else (kept if grad is None else kept.add_(grad))
         for k in range(self.world_size):
             for i in self.trainable():
                 full, (r0, r1) = self.full[i], self.bounds[i][k]
                 rows = r1 - r0
-                if full.grad is None:
-                    pieces.append(torch.zeros(rows * self._row_numel(i), device=full.device))
+                if grads[i] is None:
+                    pieces.append(torch.zeros(rows * self._row_numel(i), device=full.device,
+                                              dtype=self.reduce_dtype))
                 else:
-                    pieces.append(full.grad.reshape(-1, self._row_numel(i))[r0:r1]
-                                  .reshape(-1).float())
-        for full in self.full:
+                    pieces.append(grads[i].reshape(-1, self._row_numel(i))[r0:r1].reshape(-1))
+        for i, full in enumerate(self.full):
             full.grad = None
-        return torch.cat(pieces) if pieces else torch.zeros(0, device=self.full[0].device)
+            self.accumulated[i] = None
+        if not pieces:
+            return torch.zeros(0, device=self.full[0].device, dtype=self.reduce_dtype)
+        return torch.cat(pieces)
 
     def use_full(self, on: bool) -> None:
         """Put the full parameters (``on``) or the shards back in the module."""
