@@ -52,6 +52,7 @@ Chapter 9: ZeRO stage 3 / FSDP from scratch.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -154,6 +155,7 @@ class FSDP(nn.Module):
         self._seen: dict[nn.Parameter, tuple[bool, torch.Tensor | None]] = {}
         self._needs_sync = False
         self._sync = True  # reduce-scatter in this backward (set_requires_gradient_sync)
+        self.calls: Counter[str] = Counter()  # all-gathers and reduce-scatters submitted
         self._backward = False  # this forward's backward has begun (in_backward)
         # any rank's gradients not finite (an fp16 overflow): on the device, no host sync
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
@@ -190,6 +192,7 @@ class FSDP(nn.Module):
     # --------------------------------------------------------------------------- hooks
     def _gather(self, layer: ShardedLayer) -> None:
         if layer.gather is None:
+            self.calls["all-gather"] += 1
             layer.gather = self.comm.submit(layer.all_gather)
 
     def _neighbour(self, layer: ShardedLayer, step: int) -> ShardedLayer | None:
@@ -238,6 +241,9 @@ class FSDP(nn.Module):
             return
         self._gather(layer)
         layer.gather.wait()
+        # in the module too: a recomputation that runs the layer's inner modules (activation
+        # checkpointing inside the sharded unit) uses the module's parameters, not autograd's
+        layer.use_full(True)
         if self.prefetch and (prev := self._neighbour(layer, -1)) is not None:
             if not prev.reduced:
                 self._gather(prev)
@@ -251,11 +257,13 @@ class FSDP(nn.Module):
                 else:  # accumulating: keep the full gradients, send nothing
                     layer.accumulate()
                 if len(layer.trainable()) == len(layer.full):  # no frozen weight still needed
+                    layer.use_full(False)
                     layer.free()
         return hook
 
     def _reduce(self, layer: ShardedLayer) -> None:
         layer.reduced = True
+        self.calls["reduce-scatter"] += 1
         for i in layer.trainable():
             self._seen[layer.shards[i]] = (layer.has_grad(i), layer.shards[i].grad)
         flat = layer.pack_grads()
@@ -346,6 +354,7 @@ class FSDP(nn.Module):
         for layer in self.layers:
             if layer.gather is not None:
                 layer.gather.wait()
+            layer.use_full(False)
             layer.free()
         self._keep_unused(flags, all(used))
         grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel()]
