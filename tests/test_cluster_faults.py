@@ -10,7 +10,6 @@ table). Needs root (or CAP_NET_ADMIN), like tests/test_cluster.py; skips saying 
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from dpcourse.harness import cluster as cl
 from dpcourse.harness.cluster import ClusterUnavailable, EmulatedCluster
 from dpcourse.harness.launch import RankError, run_ranks
+from dpcourse.harness.netns import leftovers, namespace_inode, processes_in
 
 try:
     cl.check_available()
@@ -50,34 +50,13 @@ def loop(steps: int, numel: int = 256) -> dict:
     return {"pid": os.getpid(), "seconds": seconds}
 
 
-def leftovers(tag: str) -> list[str]:
-    """Namespaces, cables and bridges whose names start with ``tag``."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    out += subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    return [word for word in out.replace(":", " ").split() if word.startswith(tag)]
-
-
-def processes_in(namespaces: dict[str, int]) -> list[str]:
-    """Processes (``pid name``) whose network namespace is one of ``namespaces`` (name -> inode):
-    read from /proc, so that a process in a namespace whose name is gone is found too."""
-    inodes = set(namespaces.values())
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.stat(f"/proc/{pid}/ns/net").st_ino in inodes:
-                found.append(f"{pid} {open(f'/proc/{pid}/comm').read().strip()}")
-        except OSError:
-            pass
-    return found
-
-
 class Tracked:
     """A cluster, and what must be gone once it closes."""
 
     def __init__(self, nodes: int, timeout: float = TIMEOUT):
         self.cluster = EmulatedCluster(nodes, collective_timeout=timeout).start()
         self.tag = self.cluster.tag
-        self.namespaces = {n.namespace: os.stat(n.netns_path).st_ino for n in self.cluster.nodes}
+        self.namespaces = {namespace_inode(n.namespace) for n in self.cluster.nodes}
         self.pids: set[int] = set()
 
     def run(self, steps: int, **kwargs) -> list[dict]:

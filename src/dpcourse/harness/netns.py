@@ -100,3 +100,31 @@ def remove_stale() -> list[str]:
     for tag in stale:
         remove(tag)
     return stale
+
+
+def leftovers(tag: str) -> list[str]:
+    """The namespaces, cables and bridges whose names start with ``tag`` (none once a cluster
+    has closed)."""
+    out = ip("ip", "netns", "list", check=False) + ip("ip", "-o", "link", check=False)
+    return sorted({word.split("@")[0] for word in out.replace(":", " ").split()
+                   if word.startswith(tag)})
+
+
+def namespace_inode(name: str) -> int:
+    """The inode that identifies the network namespace ``name`` (see :func:`processes_in`)."""
+    return os.stat(f"/var/run/netns/{name}").st_ino
+
+
+def processes_in(inodes: set[int]) -> list[str]:
+    """The processes (``"pid name"``) whose network namespace is one of ``inodes``, read from
+    ``/proc``: a process keeps a namespace alive after its name is deleted, and is found here
+    all the same."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/net").st_ino in inodes:
+                with open(f"/proc/{pid}/comm") as f:
+                    found.append(f"{pid} {f.read().strip()}")
+        except OSError:
+            pass
+    return found

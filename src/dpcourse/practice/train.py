@@ -87,12 +87,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--crash-rank", type=int, default=1)
     p.add_argument("--crash-marker", type=Path, default=None, help="crash only if this is absent")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.num_samples < 1:
-        p.error("--steps, --batch-size and --num-samples must be at least 1")
+    # Each bad value gets its own message: what was given and what to give instead.
+    at_least_one = ("steps", "batch_size", "num_samples", "log_every")
+    for name in at_least_one:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.grad_clip is None:
         args.grad_clip = 1.0
-    if args.grad_clip < 0 or args.warmup < 0:
-        p.error("--grad-clip and --warmup must be 0 (off) or more")
+    for name in ("grad_clip", "warmup", "checkpoint_every", "weight_decay"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 (off) or more, got "
+                    f"{getattr(args, name)}")
+    for name in ("lr", "timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name} must be above 0, got {getattr(args, name)}")
+    if args.crash_at_step is not None and not 0 <= args.crash_at_step < args.steps:
+        p.error(f"--crash-at-step must be a step from 0 to --steps - 1 ({args.steps - 1}), got "
+                f"{args.crash_at_step}")
+    if args.crash_rank < 0:
+        p.error(f"--crash-rank must be a rank (0 or more), got {args.crash_rank}")
     return args
 
 
@@ -172,6 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"{args.strategy}"
         )
     log = runtime.print0
+    if args.crash_at_step is not None and args.crash_rank >= world:
+        raise SystemExit(f"--crash-rank {args.crash_rank} is not a rank of this job's {world}: "
+                         f"give one from 0 to {world - 1}")
 
     # ---- data: every rank builds the same data set; the sampler gives each its share
     torch.manual_seed(args.seed)  # the same initial weights on every rank

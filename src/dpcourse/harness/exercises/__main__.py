@@ -89,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         for nb in notebooks:
             print(f"  {nb}")
     elif args.command == "grade":
-        rows = grading.grade(
-            [Path(s) for s in args.submissions], args.timeout, args.cell_timeout, args.jobs
-        )
+        try:
+            rows = grading.grade(
+                [Path(s) for s in args.submissions], args.timeout, args.cell_timeout, args.jobs
+            )
+        except (ValueError, FileNotFoundError) as exc:
+            parser.error(f"grade: {exc}")
         grading.write_csv(rows, Path(args.out))
         if args.gradescope:
             grading.write_gradescope(rows, Path(args.gradescope))

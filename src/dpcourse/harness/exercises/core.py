@@ -348,7 +348,11 @@ def expect_close(
 
 # ---------------------------------------------------------------------------------- results
 def run_check(label: str, fn: Any) -> CheckResult:
-    """Run the check of exercise ``label`` on ``fn`` and return its result (never raises)."""
+    """Run the check of exercise ``label`` on ``fn`` and return its result (never raises, but
+    for a label no exercise has: a ``KeyError`` that lists them)."""
+    if label not in registry():
+        raise KeyError(f"no exercise is labelled {label!r}; the labels with checks are "
+                       f"{', '.join(registry())}")
     ex = registry()[label]
     if not callable(fn):
         return CheckResult(

@@ -226,8 +226,17 @@ def grade(
 ) -> list[GradeRow]:
     """Grade notebooks (files, or folders of ``*.ipynb``); one row per submission and exercise,
     in the order of the files. ``jobs`` submissions run at once (each in its own kernel)."""
-    if not isinstance(jobs, int) or jobs < 1:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive number of submissions at once, got {jobs!r}")
+    for name, value in (("timeout", timeout), ("cell_timeout", cell_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a number of seconds above 0, got {value!r}")
+    if isinstance(paths, (str, Path)):
+        paths = [paths]  # one path given alone
+    missing = [str(p) for p in map(Path, paths) if not p.exists()]
+    if missing:
+        raise FileNotFoundError(f"no such submission: {', '.join(missing)} (pass notebooks, or "
+                                "folders of them)")
     files: list[Path] = []
     for p in map(Path, paths):
         if not p.is_dir():

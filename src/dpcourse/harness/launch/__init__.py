@@ -74,6 +74,7 @@ import cloudpickle
 
 from dpcourse import runtime
 from dpcourse.harness import device_audit
+from dpcourse.harness.cluster import EmulatedCluster
 from dpcourse.harness.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.harness.launch.job import serialise
 from dpcourse.harness.launch.process import RankProcesses
@@ -98,11 +99,35 @@ _open_pools: list[RankPool] = []
 _open_pools_lock = threading.Lock()
 
 
-def _check_arguments(world_size: int, backend: str) -> None:
+def _check_arguments(world_size: int, backend: str, cluster=None) -> None:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        raise ValueError(f"world_size must be a positive int (the number of ranks), got "
+                         f"{world_size!r}")
     if backend not in ("auto", "gloo", "nccl", "mpi"):
         raise ValueError(f"backend must be 'auto', 'gloo', 'nccl' or 'mpi', got {backend!r}")
+    if cluster is not None and not isinstance(cluster, EmulatedCluster):
+        raise TypeError(
+            "cluster must be an EmulatedCluster, started (`with EmulatedCluster(nodes=2) as "
+            f"cluster: run_ranks(fn, 2, cluster=cluster)`), or None; got {cluster!r}"
+        )
+
+
+def _check_seconds(value: float, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number of seconds above 0, got {value!r}")
+
+
+def _check_function(fn: Callable, world_size: object) -> None:
+    if callable(fn):
+        return
+    if callable(world_size) and isinstance(fn, int):
+        raise TypeError(f"the function comes first: run_ranks(fn, world_size), not "
+                        f"run_ranks({fn!r}, fn)")
+    raise TypeError(
+        f"fn must be callable, the function each rank runs; got {type(fn).__name__}: pass "
+        "the function itself, run_ranks(work, 2), not what calling it returns, "
+        "run_ranks(work(), 2)"
+    )
 
 
 def _pool_backend(world_size: int, backend: str, cluster) -> str:
@@ -143,7 +168,11 @@ class RankPool:
         prefix_output: bool = True,
         cluster=None,
     ):
-        _check_arguments(world_size, backend)
+        _check_arguments(world_size, backend, cluster)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise ValueError(f"threads must be an int from 0 (torch's default) up: the intra-op "
+                             f"threads of each rank; got {threads!r}")
+        _check_seconds(start_timeout, "start_timeout")
         self.world_size = world_size
         self.cluster = cluster
         self.backend = _pool_backend(world_size, backend, cluster)
@@ -217,6 +246,8 @@ class RankPool:
         ``timeout`` (seconds) bounds the run itself; starting the ranks, where needed, has its
         own ``start_timeout``.
         """
+        _check_function(fn, None)
+        _check_seconds(timeout, "timeout")
         return self._run_payload(serialise(fn, args, kwargs), timeout)
 
     def _run_payload(self, payload: bytes, timeout: float) -> list:
@@ -281,7 +312,9 @@ def run_ranks(
     :class:`dpcourse.harness.cluster.EmulatedCluster` (node-major; ``world_size`` must fill it).
     Used in every multi-process chapter (5 onwards) and by the tests.
     """
-    _check_arguments(world_size, backend)  # before looking for a pool: 2.0 is no world size
+    _check_function(fn, world_size)
+    _check_arguments(world_size, backend, cluster)  # before looking for a pool: 2.0 is none
+    _check_seconds(timeout, "timeout")
     pool_backend = _pool_backend(world_size, backend, cluster)
     with _open_pools_lock:
         pool = next(

@@ -50,7 +50,9 @@ def serialise(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     says
     what to pass instead when ``fn`` or its arguments cannot travel."""
     if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        raise TypeError(f"fn must be callable, the function each rank runs; got "
+                        f"{type(fn).__name__}: pass the function itself, not what calling it "
+                        "returns")
     sys_path = [p for p in sys.path if p and os.path.isdir(p)]
     try:
         job = cloudpickle.dumps((fn, args, kwargs))

@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from dpcourse.harness.cluster import EmulatedCluster
+
 __all__ = ["run_torchrun", "run_torchrun_on_cluster"]
 
 
@@ -39,8 +41,10 @@ def run_torchrun(
     ``env`` adds to (or overrides) this process's environment; output is unbuffered. Raises
     ``subprocess.TimeoutExpired`` after ``timeout`` seconds.
     """
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ValueError(f"nproc must be a positive int (processes to start), got {nproc!r}")
+    check_target(target, module)
+    check_options(timeout, max_restarts)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
@@ -50,6 +54,44 @@ def run_torchrun(
     return subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=_environment(env), cwd=cwd
     )
+
+
+def check_target(target: str | os.PathLike, module: bool) -> None:
+    """A clear error for a script that is not there (a module's name is checked by torchrun's
+    workers, which import it)."""
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"target must be a script's path or, with module=True, a module's name; "
+                        f"got {target!r}")
+    if not module and not Path(target).is_file():
+        hint = (" (to run a module, pass its name with module=True)"
+                if "." in str(target) and "/" not in str(target) else "")
+        raise FileNotFoundError(f"no script at {str(target)!r}: pass the path of a Python "
+                                f"script{hint}")
+
+
+def check_options(timeout: float, max_restarts: int = 0) -> None:
+    """A clear error for a timeout that is not a positive number of seconds or a number of
+    restarts that is not an int from 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds above 0, got {timeout!r}")
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an int from 0 (how often torchrun restarts the "
+                         f"workers after a failure), got {max_restarts!r}")
+
+
+def check_cluster(cluster, port: int) -> None:
+    """A clear error unless ``cluster`` is a started emulated cluster whose links are up and
+    ``port`` a TCP port for the rendezvous."""
+    if not isinstance(cluster, EmulatedCluster):
+        raise TypeError(f"cluster must be an EmulatedCluster (`with EmulatedCluster(nodes=2) as "
+                        f"cluster:`), got {cluster!r}")
+    if not cluster.started:
+        raise RuntimeError("the cluster is not started: run the agents inside `with "
+                           "EmulatedCluster(...) as cluster:`")
+    cluster.check_ready()
+    if not isinstance(port, int) or isinstance(port, bool) or not 1024 <= port <= 65535:
+        raise ValueError(f"port must be a TCP port from 1024 to 65535 for the rendezvous, got "
+                         f"{port!r}")
 
 
 def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
@@ -83,6 +125,8 @@ def run_torchrun_on_cluster(
     over the emulated network, as ``srun torchrun ...`` does on a SLURM cluster (chapter 8).
     Returns each node's finished agent, node 0 first. After ``timeout`` seconds every agent is
     killed and ``subprocess.TimeoutExpired`` raised."""
+    check_cluster(cluster, port)
+    check_options(timeout)
     head = cluster.nodes[0].address
     agents = []
     for node in range(cluster.nodes_count):
