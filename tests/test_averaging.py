@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from dpcourse.one_device import data, models
-from dpcourse.replicas import averaging, replication
+from dpcourse.replicas import averaging, replication, scatter_gather
 from dpcourse.replicas.parameter_averaging import average_parameters, train_parameter_averaging
 from dpcourse.replicas.replica_batchnorm import batchnorm_statistics
 
@@ -45,7 +45,7 @@ def _single_device(model, batches, make_opt, eval_batch):
 def test_local_backward_gives_each_replica_its_shards_gradient():
     model, x, y = _setup()
     replicas = replication.create_replicas(model, replication.devices_for(3))
-    shards = replication.chunk_data((x[:31], y[:31]), 3)
+    shards = scatter_gather.chunk_data((x[:31], y[:31]), 3)
     losses = averaging.local_backward(replicas, shards, mse)
     for replica, shard, loss in zip(replicas, shards, losses, strict=True):
         want = replication.gradients(model, shard, mse)
@@ -86,7 +86,7 @@ def test_mean_of_equal_shards_is_the_whole_batch_gradient(n):
     model, x, y = _setup()
     batch = (x[: 12 * n], y[: 12 * n])  # equal shards
     replicas = replication.create_replicas(model, replication.devices_for(n))
-    averaging.local_backward(replicas, replication.chunk_data(batch, n), mse)
+    averaging.local_backward(replicas, scatter_gather.chunk_data(batch, n), mse)
     averaging.average_gradients(replicas)
     whole = replication.gradients(model, batch, mse)
     for r in replicas:  # every replica got the average back
@@ -117,7 +117,7 @@ def test_sum_is_n_times_the_mean_and_counts_its_traffic():
     model, x, y = _setup(torch.float32)
     n = 4
     replicas = replication.create_replicas(model, replication.devices_for(n))
-    shards = replication.chunk_data((x[:40], y[:40]), n)
+    shards = scatter_gather.chunk_data((x[:40], y[:40]), n)
     averaging.local_backward(replicas, shards, mse)
     averaging.average_gradients(replicas)
     mean = {k: p.grad.clone() for k, p in replicas[0].named_parameters()}
@@ -135,7 +135,7 @@ def test_average_gradients_skips_frozen_parameters_and_refuses_bad_input():
     model, x, y = _setup()
     model.fc1.requires_grad_(False)
     replicas = replication.create_replicas(model, ["cpu"] * 3)
-    averaging.local_backward(replicas, replication.chunk_data((x, y), 3), mse)
+    averaging.local_backward(replicas, scatter_gather.chunk_data((x, y), 3), mse)
     averaging.average_gradients(replicas)
     assert all(r.fc1.weight.grad is None for r in replicas)
     assert replication.max_difference(
@@ -214,7 +214,7 @@ def test_average_parameters_averages_floats_and_keeps_counters():
     torch.manual_seed(0)
     replicas = replication.create_replicas(models.ConvNetBN(), ["cpu"] * 3)
     x = data.random_images(12).tensors[0]
-    for r, chunk in zip(replicas, replication.chunk_data(x, 3), strict=True):
+    for r, chunk in zip(replicas, scatter_gather.chunk_data(x, 3), strict=True):
         r(chunk)  # different running statistics on each replica
         with torch.no_grad():
             r.classifier.weight.add_(torch.randn_like(r.classifier.weight))

@@ -8,7 +8,7 @@ from torch import nn
 
 from dpcourse import runtime
 from dpcourse.one_device import models
-from dpcourse.replicas import dataparallel, replication
+from dpcourse.replicas import dataparallel, replication, scatter_gather
 
 mse = nn.functional.mse_loss
 
@@ -17,8 +17,8 @@ def test_input_size_recorder_shares_its_log_between_replicas():
     recorder = dataparallel.InputSizeRecorder(models.MLP())
     replicas = replication.create_replicas(recorder, replication.devices_for(8))
     assert all(r.log is recorder.log for r in replicas)
-    inputs = replication.scatter(torch.randn(30, 5), replication.devices_for(8))
-    replication.parallel_apply(replicas, inputs, threads=False)
+    inputs = scatter_gather.scatter(torch.randn(30, 5), replication.devices_for(8))
+    scatter_gather.parallel_apply(replicas, inputs, threads=False)
     assert [tuple(inp) for _, inp, _ in recorder.log.calls] == [(4, 5)] * 7 + [(2, 5)]
     assert [tuple(out) for _, _, out in recorder.log.calls] == [(4, 2)] * 7 + [(2, 2)]
     recorder.log.clear()

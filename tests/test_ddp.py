@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpcourse import runtime
-from dpcourse.ddp import ddp, timeline
+from dpcourse.ddp import ddp, sampler, timeline
 from dpcourse.ddp.buckets import MB, bucket_assignment
 from dpcourse.ddp.timeline import timed_backward
 from dpcourse.harness.launch import run_ranks
@@ -436,13 +436,12 @@ def test_epoch_indices_equal_distributed_sampler(world, n):
     for epoch in (0, 1, 3):
         for shuffle in (True, False):
             for rank in range(world):
-                sampler = DistributedSampler(
+                torch_sampler = DistributedSampler(
                     range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=5
                 )
-                sampler.set_epoch(epoch)
-                assert ddp.epoch_indices(n, world, rank, epoch, seed=5, shuffle=shuffle) == list(
-                    sampler
-                )
+                torch_sampler.set_epoch(epoch)
+                ours = sampler.epoch_indices(n, world, rank, epoch, seed=5, shuffle=shuffle)
+                assert ours == list(torch_sampler)
 
 
 def gpu_on_rank() -> tuple[str, float, int]:

@@ -24,6 +24,7 @@ def notebook_solutions(chapter: int) -> dict:
     """The functions defined by a chapter's solution cells (tagged "solution")."""
     nb = json.loads((ROOT / "chapters" / f"{CHAPTERS[chapter]}.ipynb").read_text())
     namespace = {"copy": copy, "torch": torch, "replication": replication,
+                 "scatter_gather": scatter_gather,
                  "averaging": averaging}
     for cell in nb["cells"]:
         if "solution" in cell.get("metadata", {}).get("tags", []):
@@ -129,7 +130,7 @@ def test_parallel_apply(monkeypatch):
             raise RuntimeError("a replica failed") from None
 
     expect_fail("ex-2-threads", vague, "which does not say so")
-    expect_fail("ex-2-threads", lambda r, x: replication.parallel_apply(r, x),
+    expect_fail("ex-2-threads", lambda r, x: scatter_gather.parallel_apply(r, x),
                 "ready-made parallel_apply")
     expect_fail("ex-2-threads", lambda r, x: torch.nn.parallel.parallel_apply(r, x),
                 "ready-made parallel_apply")
@@ -137,7 +138,7 @@ def test_parallel_apply(monkeypatch):
 
 # ----------------------------------------------------------------------------- chapter 3
 def test_chunk_data():
-    expect_pass("ex-3-chunk", replication.chunk_data)
+    expect_pass("ex-3-chunk", scatter_gather.chunk_data)
 
     def floor_chunks(batch, n):
         size = len(batch) // n
@@ -185,8 +186,8 @@ def _step(average=False, broadcast=True, only_first=False):
         for r in replicas:
             r.zero_grad(set_to_none=True)
         devices = [replication.module_device(r) for r in replicas]
-        chunks = replication.scatter(x, devices)
-        out = replication.gather(replication.parallel_apply(replicas, chunks), devices[0])
+        chunks = scatter_gather.scatter(x, devices)
+        out = scatter_gather.gather(scatter_gather.parallel_apply(replicas, chunks), devices[0])
         loss = loss_fn(out, y.to(devices[0]))
         loss.backward()
         used = replicas[:1] if only_first else replicas[: len(chunks)]

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 from dpcourse.harness.exercises import ch09, run_check
-from dpcourse.sharding import zero, zero_memory
+from dpcourse.sharding import flat_shards, zero_memory
 
 
 def remainder_to_last(numel, world_size, rank):
@@ -27,7 +27,7 @@ def ceil_slices_past_the_end(numel, world_size, rank):
 
 
 def test_shard_bounds_check():
-    assert run_check("ex-9-shard-bounds", zero.shard_bounds).passed
+    assert run_check("ex-9-shard-bounds", flat_shards.shard_bounds).passed
     result = run_check("ex-9-shard-bounds", remainder_to_last)
     assert not result.passed and "whole remainder" in result.message
     assert "numel=10, world_size=4, rank 0: expected (0, 3), got (0, 2)" in result.message
@@ -75,7 +75,7 @@ def _gather(flat_params):
     """All-gather the shards in place, one broadcast per owner (simple, not fast)."""
     world = dist.get_world_size()
     for owner in range(world):
-        s, e = zero.shard_bounds(flat_params.numel(), world, owner)
+        s, e = flat_shards.shard_bounds(flat_params.numel(), world, owner)
         if e > s:
             piece = flat_params[s:e].clone()
             dist.broadcast(piece, src=owner)
@@ -86,7 +86,7 @@ def reference_sharded_step(flat_params, flat_grad, step_fn):
     from dpcourse.collectives import ring_reduce_scatter
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    start, end = zero.shard_bounds(flat_params.numel(), world, rank)
+    start, end = flat_shards.shard_bounds(flat_params.numel(), world, rank)
     step_fn(flat_params[start:end], ring_reduce_scatter(flat_grad, op="mean"))
     _gather(flat_params)
 
@@ -95,7 +95,7 @@ def sum_not_mean(flat_params, flat_grad, step_fn):
     from dpcourse.collectives import ring_reduce_scatter
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    start, end = zero.shard_bounds(flat_params.numel(), world, rank)
+    start, end = flat_shards.shard_bounds(flat_params.numel(), world, rank)
     step_fn(flat_params[start:end], ring_reduce_scatter(flat_grad, op="sum"))
     _gather(flat_params)
 
@@ -104,7 +104,7 @@ def no_all_gather(flat_params, flat_grad, step_fn):
     from dpcourse.collectives import ring_reduce_scatter
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    start, end = zero.shard_bounds(flat_params.numel(), world, rank)
+    start, end = flat_shards.shard_bounds(flat_params.numel(), world, rank)
     step_fn(flat_params[start:end], ring_reduce_scatter(flat_grad, op="mean"))
 
 
@@ -148,7 +148,7 @@ def test_sharded_step_not_attempted():
 def _rank_chunks_padded(grad, world):
     """Rank r's shard_bounds chunk of ``grad`` in part r of a flat buffer, each padded to the
     longest (reduce_scatter_tensor hands out equal parts)."""
-    bounds = [zero.shard_bounds(grad.numel(), world, r) for r in range(world)]
+    bounds = [flat_shards.shard_bounds(grad.numel(), world, r) for r in range(world)]
     longest = max(e - s for s, e in bounds)
     send = grad.new_zeros(world * longest)
     for r, (s, e) in enumerate(bounds):
@@ -236,7 +236,7 @@ def all_reduce_then_slice(params):
     def launch(p):
         rank, world = dist.get_rank(), dist.get_world_size()
         grad = p.grad.detach().reshape(-1).clone()
-        start, end = zero.shard_bounds(grad.numel(), world, rank)
+        start, end = flat_shards.shard_bounds(grad.numel(), world, rank)
         return dist.all_reduce(grad, async_op=True), grad[start:], end - start
 
     return _hooks(params, launch)
@@ -249,7 +249,7 @@ def ring_all_reduce_then_slice(params):
         rank, world = dist.get_rank(), dist.get_world_size()
         grad = p.grad.detach().reshape(-1).clone()
         ring_all_reduce(grad)
-        start, end = zero.shard_bounds(grad.numel(), world, rank)
+        start, end = flat_shards.shard_bounds(grad.numel(), world, rank)
         return None, grad[start:], end - start
 
     return _hooks(params, launch)
@@ -324,7 +324,7 @@ def padded_at_the_end(params):
         padded = grad.new_zeros(world * c)
         padded[: grad.numel()] = grad
         out = grad.new_empty(c)
-        start, end = zero.shard_bounds(grad.numel(), world, rank)
+        start, end = flat_shards.shard_bounds(grad.numel(), world, rank)
         return dist.reduce_scatter_tensor(out, padded, async_op=True), out, end - start
 
     return _hooks(params, launch)

@@ -11,7 +11,7 @@ from torch import nn
 
 from dpcourse import runtime
 from dpcourse.one_device import data, models, training
-from dpcourse.replicas import replication
+from dpcourse.replicas import replication, scatter_gather
 
 mse = nn.functional.mse_loss
 
@@ -151,23 +151,23 @@ def test_replica_devices_refuses_mixed_and_mismatched_replicas():
 def test_chunk_data_is_torch_chunk(n):
     for size in range(n, 41):
         batch = torch.arange(size)
-        got = replication.chunk_data(batch, n)
+        got = scatter_gather.chunk_data(batch, n)
         want = torch.chunk(batch, n)
         assert [c.tolist() for c in got] == [c.tolist() for c in want]
         assert 1 <= len(got) <= n
 
 
 def test_chunk_data_sizes_of_the_tutorial_experiment():
-    sizes = {n: [len(c) for c in replication.chunk_data(torch.zeros(30, 5), n)]
+    sizes = {n: [len(c) for c in scatter_gather.chunk_data(torch.zeros(30, 5), n)]
              for n in (1, 2, 3, 8)}
     assert sizes == {1: [30], 2: [15, 15], 3: [10, 10, 10], 8: [4] * 7 + [2]}
     # torch.chunk's rule can leave devices idle: 9 samples on 8 devices use 5 of them.
-    assert [len(c) for c in replication.chunk_data(torch.zeros(9), 8)] == [2, 2, 2, 2, 1]
+    assert [len(c) for c in scatter_gather.chunk_data(torch.zeros(9), 8)] == [2, 2, 2, 2, 1]
 
 
 def test_chunk_data_of_a_tuple_keeps_samples_together():
     x, y = torch.arange(10.0)[:, None], torch.arange(10)
-    chunks = replication.chunk_data((x, y), 3)
+    chunks = scatter_gather.chunk_data((x, y), 3)
     assert [len(cx) for cx, _ in chunks] == [4, 4, 2]
     for cx, cy in chunks:
         assert torch.equal(cx[:, 0].long(), cy)
@@ -175,17 +175,17 @@ def test_chunk_data_of_a_tuple_keeps_samples_together():
 
 def test_chunk_data_errors():
     with pytest.raises(ValueError, match="the batch is empty"):
-        replication.chunk_data(torch.zeros(0, 5), 2)
+        scatter_gather.chunk_data(torch.zeros(0, 5), 2)
     with pytest.raises(ValueError, match="batch of 3 sample.*between 4 replicas.*at least 4"):
-        replication.chunk_data(torch.zeros(3, 5), 4)
+        scatter_gather.chunk_data(torch.zeros(3, 5), 4)
     with pytest.raises(ValueError, match="positive integer"):
-        replication.chunk_data(torch.zeros(3), 0)
+        scatter_gather.chunk_data(torch.zeros(3), 0)
     with pytest.raises(ValueError, match="same first dimension"):
-        replication.chunk_data((torch.zeros(3), torch.zeros(4)), 2)
+        scatter_gather.chunk_data((torch.zeros(3), torch.zeros(4)), 2)
     with pytest.raises(ValueError, match="0-dimensional"):
-        replication.chunk_data(torch.tensor(1.0), 1)
+        scatter_gather.chunk_data(torch.tensor(1.0), 1)
     with pytest.raises(TypeError, match="tensor or a tuple"):
-        replication.chunk_data([[1, 2]], 1)
+        scatter_gather.chunk_data([[1, 2]], 1)
 
 
 # ---------------------------------------------------------- scatter, apply, gather
@@ -195,12 +195,12 @@ def test_scatter_parallel_apply_gather_equal_one_forward():
     for n in range(1, 6):
         devices = replication.devices_for(n)
         replicas = replication.create_replicas(model, devices)
-        inputs = replication.scatter(x[:37], devices)
+        inputs = scatter_gather.scatter(x[:37], devices)
         assert all(isinstance(i, tuple) and i[0].device == d
                    for i, d in zip(inputs, devices, strict=False))
         for threads in (True, False):
-            outputs = replication.parallel_apply(replicas, inputs, threads=threads)
-            out = replication.gather(outputs, devices[0])
+            outputs = scatter_gather.parallel_apply(replicas, inputs, threads=threads)
+            out = scatter_gather.gather(outputs, devices[0])
             # float64: a GPU's kernels round otherwise than the CPU's, by about 1e-16
             torch.testing.assert_close(out.cpu(), model(x[:37]), rtol=1e-12, atol=1e-12)
 
@@ -209,23 +209,23 @@ def test_parallel_apply_keeps_grad_mode_and_names_a_failing_replica():
     replicas = replication.create_replicas(models.MLP(), ["cpu", "cpu"])
     inputs = [(torch.randn(2, 5),), (torch.randn(2, 5),)]
     with torch.no_grad():
-        outs = replication.parallel_apply(replicas, inputs)
+        outs = scatter_gather.parallel_apply(replicas, inputs)
     assert not any(o.requires_grad for o in outs)
-    assert all(o.requires_grad for o in replication.parallel_apply(replicas, inputs))
+    assert all(o.requires_grad for o in scatter_gather.parallel_apply(replicas, inputs))
     with pytest.raises(RuntimeError, match="replica 1 failed"):
-        replication.parallel_apply(replicas, [(torch.randn(2, 5),), (torch.randn(2, 4),)])
+        scatter_gather.parallel_apply(replicas, [(torch.randn(2, 5),), (torch.randn(2, 4),)])
     with pytest.raises(ValueError, match="3 inputs but only 2 replicas"):
-        replication.parallel_apply(replicas, inputs + inputs[:1])
+        scatter_gather.parallel_apply(replicas, inputs + inputs[:1])
 
 
 def test_gather_backward_sends_each_replica_its_rows():
     parts = [torch.randn(3, 2, requires_grad=True), torch.randn(2, 2, requires_grad=True)]
-    out = replication.gather(parts, "cpu")
+    out = scatter_gather.gather(parts, "cpu")
     (out * torch.arange(10.0).reshape(5, 2)).sum().backward()
     assert torch.equal(parts[0].grad, torch.arange(6.0).reshape(3, 2))
     assert torch.equal(parts[1].grad, torch.arange(6.0, 10.0).reshape(2, 2))
     with pytest.raises(ValueError, match="no outputs"):
-        replication.gather([], "cpu")
+        scatter_gather.gather([], "cpu")
 
 
 # ------------------------------------------------------------ broadcast and reduce

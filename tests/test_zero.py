@@ -19,7 +19,8 @@ from dpcourse import runtime
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.harness.launch import run_ranks
 from dpcourse.one_device.memory_measurement import optimizer_state_bytes
-from dpcourse.sharding.zero import ShardedOptimizer, owner_of, shard_bounds
+from dpcourse.sharding.flat_shards import owner_of, shard_bounds
+from dpcourse.sharding.zero import ShardedOptimizer
 
 STEPS = 10
 # Sharded and unsharded runs sum the gradients over the ranks in different orders, so they

@@ -35,10 +35,9 @@ from dpcourse.ddp.checks import (
     check_same_model_on_every_rank,
     check_torch_options,
 )
-from dpcourse.ddp.sampler import epoch_indices  # ddp.epoch_indices, as chapter 7 calls it
 
 __all__ = ["broadcast_parameters", "broadcast_buffers", "all_reduce_gradients",
-           "PerParameterDDP", "DDP", "VARIANTS", "wrap", "epoch_indices"]
+           "PerParameterDDP", "DDP", "VARIANTS", "wrap"]
 
 
 # ------------------------------------------------------------------------------- step 1

@@ -33,12 +33,12 @@ from torch import nn
 
 from dpcourse import runtime
 from dpcourse.replicas.replication import (
-    chunk_data,
     create_replicas,
     devices_for,
     module_device,
     replica_devices,
 )
+from dpcourse.replicas.scatter_gather import chunk_data
 
 __all__ = [
     "Traffic",
@@ -290,7 +290,8 @@ def train_gradient_averaging(
     """Synchronous data parallelism: every step, each of ``n`` replicas takes its shard of the
     step's batch, and gradients are averaged through the CPU master before the update.
 
-    Shards are :func:`~dpcourse.replicas.replication.chunk_data`'s, or uneven ones by ``fractions``.
+    Shards are :func:`~dpcourse.replicas.scatter_gather.chunk_data`'s, or uneven ones by
+    ``fractions``.
     ``weighting="size"`` weighs each shard's gradient by its size (equal to one device on the
     whole batch), ``"equal"`` takes the plain mean. The loss on ``eval_batch`` is recorded after
     every step. ``model`` is not changed. Chapter 4.

@@ -23,7 +23,7 @@ from torch import nn
 
 from dpcourse import runtime
 from dpcourse.one_device import models
-from dpcourse.replicas import replication
+from dpcourse.replicas import replication, scatter_gather
 
 __all__ = [
     "InputSizeLog",
@@ -122,10 +122,10 @@ def split_experiment(n: int, batch_size: int = 30, in_features: int = 5) -> Spli
             how = f"nn.DataParallel on {n} GPU(s)"
         else:
             replicas = replication.create_replicas(recorder, devices)
-            inputs = replication.scatter(x, devices)
+            inputs = scatter_gather.scatter(x, devices)
             # One after another, so that the log is in replica order on repeated devices.
-            outputs = replication.parallel_apply(replicas, inputs, threads=False)
-            out = replication.gather(outputs, devices[0])
+            outputs = scatter_gather.parallel_apply(replicas, inputs, threads=False)
+            out = scatter_gather.gather(outputs, devices[0])
             names = sorted({str(d) for d in devices})
             how = (f"dpcourse.replicas.replication on {n} replica(s) on {', '.join(names)} "
                    f"(nn.DataParallel would need {n} GPU(s); this machine has {gpus})")
@@ -226,7 +226,7 @@ def time_phases(
 def time_parallel_apply(
     model: nn.Module, ns: Sequence[int], per_replica: int = 16, repeats: int = 20
 ) -> dict[str, list[float]]:
-    """Seconds of one :func:`~dpcourse.replicas.replication.parallel_apply` of ``n`` replicas of
+    """Seconds of one :func:`~dpcourse.replicas.scatter_gather.parallel_apply` of ``n`` replicas of
     ``model`` (each on ``per_replica`` samples), for each ``n`` in ``ns``: in threads, as
     ``nn.DataParallel``
     runs them, and one after another; the shortest of ``repeats``. Chapter 2's look at the GIL."""
@@ -235,13 +235,13 @@ def time_parallel_apply(
     for n in ns:
         devices = replication.devices_for(n)
         replicas = replication.create_replicas(model, devices)
-        inputs = replication.scatter(torch.randn(per_replica * n, in_features), devices)
+        inputs = scatter_gather.scatter(torch.randn(per_replica * n, in_features), devices)
         for label, threads in (("threads", True), ("one after another", False)):
             times = []
             for _ in range(repeats + 1):  # the first is a warm-up
                 start = time.perf_counter()
                 with torch.no_grad():
-                    replication.parallel_apply(replicas, inputs, threads=threads)
+                    scatter_gather.parallel_apply(replicas, inputs, threads=threads)
                 for d in set(devices):
                     runtime.synchronize(d)
                 times.append(time.perf_counter() - start)

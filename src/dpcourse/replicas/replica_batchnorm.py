@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dpcourse.replicas.replication import chunk_data, create_replicas, module_device
+from dpcourse.replicas.replication import create_replicas, module_device
+from dpcourse.replicas.scatter_gather import chunk_data
 
 __all__ = ["BatchNormStats", "batchnorm_statistics"]
 

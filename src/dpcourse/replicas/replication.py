@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from dpcourse import runtime
-from dpcourse.replicas.scatter_gather import chunk_data, gather, parallel_apply, scatter
+from dpcourse.replicas.scatter_gather import gather, parallel_apply, scatter
 
 __all__ = [
     "devices_for",
@@ -39,10 +39,6 @@ __all__ = [
     "replica_devices",
     "device_copy",
     "create_replicas",
-    "chunk_data",
-    "scatter",
-    "parallel_apply",
-    "gather",
     "broadcast_parameters",
     "reduce_gradients",
     "data_parallel_step",

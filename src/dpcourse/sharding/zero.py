@@ -48,18 +48,12 @@ from dpcourse.sharding.flat_shards import (
     FlatGroup,
     as_param_groups,
     flatten_group,
-    owner_of,
-    shard_bounds,
 )
 from dpcourse.sharding.zero_grads import exchange_used, global_norm, keep_unused
 from dpcourse.sharding.zero_join import JoinableOptimizer, notify
 from dpcourse.sharding.zero_state import ShardedStateDict
 
-__all__ = [
-    "ShardedOptimizer",
-    "shard_bounds",
-    "owner_of",
-]
+__all__ = ["ShardedOptimizer"]
 
 
 class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer, JoinableOptimizer):

@@ -97,7 +97,7 @@ def _replicas(n: int, fail: int | None = None) -> tuple[list[_Replica], list[tup
     shared: dict = {"grad mode": {}, "alone": set()}
     devices = replication.devices_for(n)
     replicas = [_Replica(i, shared, fail=i == fail).to(d) for i, d in enumerate(devices)]
-    inputs = replication.scatter(torch.randn(3 * n + 1, 5), devices)
+    inputs = scatter_gather.scatter(torch.randn(3 * n + 1, 5), devices)
     return replicas, inputs, shared
 
 

@@ -13,18 +13,18 @@ from torch import nn
 
 from dpcourse.harness.exercises.core import Mismatch, NotAttempted, call_learner, exercise
 from dpcourse.one_device import data, models, training
-from dpcourse.replicas import replication
+from dpcourse.replicas import replication, scatter_gather
 
 CHUNK_CASES = [(30, 4), (7, 7), (10, 3), (9, 8), (37, 5), (1, 1), (100, 3)]
 
 
 @exercise("ex-3-chunk", function="my_chunk_data", timeout=10)
 def chunk_data(fn: Callable) -> str:
-    """``fn(batch, n)`` against :func:`dpcourse.replicas.replication.chunk_data` on tensors, and the
-    ``ValueError`` it must raise for a batch smaller than ``n``."""
+    """``fn(batch, n)`` against :func:`dpcourse.replicas.scatter_gather.chunk_data` on tensors, and
+    the ``ValueError`` it must raise for a batch smaller than ``n``."""
     for batch_size, n in CHUNK_CASES:
         batch = torch.arange(batch_size)
-        want = replication.chunk_data(batch, n)
+        want = scatter_gather.chunk_data(batch, n)
         got = call_learner(fn, batch, n)
         if not isinstance(got, list | tuple) or not all(isinstance(c, torch.Tensor) for c in got):
             raise Mismatch(f"batch of {batch_size} into {n}: expected a list of tensors, got "
