@@ -89,7 +89,7 @@ def plot_cluster_runs(runs: Mapping[int, Mapping], source: str = "") -> plt.Figu
     ns = sorted(runs)
     first = runs[ns[0]]
     size, link = first["sizes"][-1], _rate(first["link"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.7), layout="constrained")
     for j, name in enumerate(first["measured"]):
         for kind, style in (("measured", "o"), ("model", "-")):
             times = [runs[n][kind][name][-1] for n in ns]
@@ -110,8 +110,8 @@ def plot_cluster_runs(runs: Mapping[int, Mapping], source: str = "") -> plt.Figu
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_xlabel("nodes N (one rank each)")
         ax.grid(alpha=0.3)
-    ax1.legend(handles=ax1.get_legend_handles_labels()[0] + styles, fontsize=8)
-    ax2.legend(fontsize=8)
+    ax1.legend(handles=ax1.get_legend_handles_labels()[0] + styles, fontsize=9)
+    ax2.legend(fontsize=9)
     fig.suptitle(f"All-reduce on emulated {link} links: measured (dots) against the {MODEL}"
                  + (f"\n{source}" if source else ""))
     return fig

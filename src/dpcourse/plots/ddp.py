@@ -28,7 +28,7 @@ def _draw_timeline(ax: Axes, timeline: StepTimeline, title: str) -> None:
         ha="center",
         va="center",
         color="white",
-        fontsize=8,
+        fontsize=9,
     )
     for b in timeline.buckets:
         row = n - 1 - b.index
@@ -88,7 +88,7 @@ def plot_bucket_sizes(
         title=f"{title}\nmeasured on {machine}",
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return fig
 
 
@@ -119,7 +119,7 @@ def plot_overlap(
     ):
         bars = ax.bar([x + offset for x in xs], [t * 1e3 for t in times], width, label=label,
                       color=color)
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.bar_label(bars, fmt="%.0f", fontsize=9)
     for (name, t), style in zip(reference.items(), ("--", ":", "-."), strict=False):
         ax.axhline(t * 1e3, ls=style, color="k", lw=1, label=name)
     ticks = [f"{c:g} MiB\n{n} bucket{'s' if n != 1 else ''}"
@@ -133,7 +133,7 @@ def plot_overlap(
     highest = max([*overlapped_s, *after_backward_s, *reference.values()]) * 1e3
     ax.set_ylim(0, highest * 1.4)  # room for the legend above the bars
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", ncols=2)
+    ax.legend(fontsize=9, loc="upper center", ncols=2)
     return fig
 
 

@@ -47,7 +47,7 @@ def plot_dataset(dataset: TensorDataset, axes: Sequence[Axes] | None = None) -> 
     x, y = dataset.tensors
     if axes is None:
         fig, axes = plt.subplots(
-            2, 1, figsize=(9, 3), sharex=True, layout="constrained",
+            2, 1, figsize=(8.4, 3.4), sharex=True, layout="constrained",
             gridspec_kw={"height_ratios": [x.shape[1], y.shape[1]]},
         )
     for ax, t, name in zip(axes, (x, y), ("inputs x", "targets y"), strict=True):

@@ -72,7 +72,7 @@ def plot_lr_schedules(
     for label, rates in schedules.items():
         ax.plot(steps, rates, label=label)
     ax.set(xlabel="step", ylabel="learning rate", title=title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     ax.grid(alpha=0.3)
     return fig
 
@@ -113,5 +113,5 @@ def plot_underflow(
     ax.axvline(threshold, color="grey", lw=0.8, label=f"2**{math.log2(threshold):g}")
     ax.set(xscale="log", xlabel="gradient magnitude", ylabel="becomes 0 (1 = yes)",
            title="Which gradients underflow to zero?")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return fig

@@ -57,15 +57,15 @@ def plot_shard_gradients(
     ax.axhline(0, color="gray", lw=0.5)
     ax.set_xticks(range(m), [f"entry {j}" for j in range(m)])
     ax.set_ylabel("gradient")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=9, ncol=2)
     return ax
 
 
 def plot_dropout_masks(masks: dict[str, torch.Tensor], axes: Sequence[Axes] | None = None):
     """Dropout masks ``(batch, features)`` side by side, one panel each (kept = dark)."""
     if axes is None:
-        _, axes = plt.subplots(1, len(masks), figsize=(3 * len(masks), 3.6), layout="constrained",
-                               sharey=True)
+        _, axes = plt.subplots(1, len(masks), figsize=(min(8.4, 2.8 * len(masks)), 3.2),
+                               layout="constrained", sharey=True)
     axes = np.atleast_1d(axes)
     for ax, (title, mask) in zip(axes, masks.items(), strict=True):
         ax.imshow((mask != 0).float(), cmap="Greys", aspect="auto", interpolation="nearest",
@@ -85,7 +85,7 @@ def plot_chunks(splits: dict[str, Sequence[int]], ax: Axes | None = None) -> Axe
         start = 0
         for i, size in enumerate(sizes):
             ax.barh(row, size, left=start, color=colors[i % 10], edgecolor="white")
-            ax.text(start + size / 2, row, str(size), ha="center", va="center", fontsize=8,
+            ax.text(start + size / 2, row, str(size), ha="center", va="center", fontsize=9,
                     color="white")
             start += size
     ax.set_yticks(range(len(splits)), list(splits))
@@ -116,7 +116,7 @@ def plot_phase_times(
         bottom += values
     ax.set_xlabel("replicas (devices)")
     ax.set_ylabel("ms per step")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=9, ncol=2)
     ax.grid(True, axis="y", alpha=0.3)
     return ax
 
@@ -139,7 +139,7 @@ def plot_curves(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return ax
 
 
@@ -149,7 +149,7 @@ def plot_averaging_cost(
     """Two panels against the number of replicas: the time one averaging through the master
     took, and the bytes that went through the master (with the line through the origin)."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
+        _, axes = plt.subplots(1, 2, figsize=(8.4, 3.6), layout="constrained")
     ax1, ax2 = axes
     ax1.plot(ns, [s * 1e3 for s in seconds], "o-")
     ax1.set_ylabel("ms per averaging")
@@ -178,7 +178,7 @@ def plot_runs(
     ax.set_xlabel("step")
     ax.set_ylabel("loss on the whole data set")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return ax
 
 
@@ -186,7 +186,7 @@ def plot_batchnorm_statistics(stats: BatchNormStats, axes=None) -> Sequence[Axes
     """Per channel, the mean and the variance one BatchNorm layer normalises with: each
     replica's (small dots) against the whole batch's (a black bar)."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(10, 3.4), layout="constrained")
+        _, axes = plt.subplots(1, 2, figsize=(8.4, 3.4), layout="constrained")
     channels = np.arange(len(stats.whole_mean))
     for ax, whole, per_replica, name in (
         (axes[0], stats.whole_mean, stats.replica_means, "mean"),
@@ -201,5 +201,5 @@ def plot_batchnorm_statistics(stats: BatchNormStats, axes=None) -> Sequence[Axes
         ax.set_xlabel("channel")
         ax.set_title(f"{stats.layer}: batch {name}", fontsize=10)
         ax.grid(True, alpha=0.3)
-    axes[1].legend(fontsize=8)
+    axes[1].legend(fontsize=9)
     return axes

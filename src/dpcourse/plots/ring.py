@@ -21,7 +21,8 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from dpcourse.collectives.ring import ring_schedule
 
-__all__ = ["RingFrame", "ring_frames", "draw_ring_frame", "ring_animation", "ring_explorer"]
+__all__ = ["RingFrame", "ring_frames", "ring_figsize", "draw_ring_frame", "ring_animation",
+           "ring_explorer"]
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -35,6 +36,15 @@ class RingFrame:
     holdings: tuple[tuple[frozenset[int], ...], ...]  # [rank][chunk] -> contributing ranks
     arrows: tuple[tuple[int, int, int], ...]  # (from rank, to rank, chunk)
     caption: str
+
+
+
+def ring_figsize(world: int) -> tuple[float, float]:
+    """Inches for a ring of ``world`` ranks: grows with the ring, but never wider than the book's
+    column (8.4 inches at 100 dpi), so that its labels keep their size on the page."""
+    width, height = 1.6 + 1.3 * world, 1.2 + 0.9 * world
+    shrink = min(1.0, 8.4 / width)
+    return width * shrink, height * shrink
 
 
 def ring_frames(world: int) -> list[RingFrame]:
@@ -161,7 +171,7 @@ def ring_animation(world: int = 4, interval_ms: int = 1200) -> animation.FuncAni
     """The whole all-reduce as a matplotlib animation (``.to_jshtml()`` plays it on a static
     web page, no kernel needed)."""
     frames = ring_frames(world)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * world, 1.2 + 0.9 * world))
+    fig, ax = plt.subplots(figsize=ring_figsize(world))
     anim = animation.FuncAnimation(
         fig, lambda i: draw_ring_frame(frames[i], ax), frames=len(frames), interval=interval_ms
     )
@@ -182,7 +192,7 @@ def ring_explorer(max_world: int = 8):
         index.max = len(frames) - 1
         with out:
             out.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(1.6 + 1.3 * world.value, 1.2 + 0.9 * world.value))
+            fig, ax = plt.subplots(figsize=ring_figsize(world.value))
             draw_ring_frame(frames[min(index.value, index.max)], ax)
             plt.show()
 

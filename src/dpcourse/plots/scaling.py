@@ -45,8 +45,8 @@ def plot_weak_scaling(
     ``efficiency`` (``{model: {(network view, overlap): efficiency at each world size}}``), one
     line per network view and overlap (dashed without overlap), a grey line at 90 %. Panel
     titles read "Modelled: {model} in {setting}". Chapter 10, section 10.2."""
-    fig, axes = plt.subplots(1, len(efficiency), figsize=(6 * len(efficiency), 4), sharey=True,
-                             layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(1, len(efficiency), figsize=(min(8.4, 4.2 * len(efficiency)), 3.6),
+                             sharey=True, layout="constrained", squeeze=False)
     for ax, (name, curves) in zip(axes[0], efficiency.items(), strict=True):
         for (network, overlap), values in curves.items():
             ax.plot(world_sizes, values, "--" if overlap == 0 else "-", marker="o", markersize=3,
@@ -54,7 +54,7 @@ def plot_weak_scaling(
         ax.set(xlabel="GPUs N", title=f"Modelled: {name} in {setting}")
         _gpu_axis(ax, world_sizes)
     axes[0, 0].set_ylabel("weak-scaling efficiency (modelled)")
-    axes[0, 0].legend(fontsize=8)
+    axes[0, 0].legend(fontsize=9)
     return fig
 
 
@@ -94,7 +94,7 @@ def plot_gradient_variants(
                 label=f"{dtype} gradients, {label} ({buckets[dtype, label]})")
     ax.set(xlabel="GPUs N", ylabel="weak-scaling efficiency (modelled)", title=title)
     _gpu_axis(ax, world_sizes, target=None)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     return fig
 
 
@@ -111,7 +111,7 @@ def plot_measured_scaling(
     in ms, and a band of its colour between the model's step times ``model_s[kind]`` = (with
     overlap, without). Right: the measured efficiency ``efficiency[kind]`` at each rank count.
     ``where`` (the machine) goes in the left title. Chapter 10, section 10.6."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.4), layout="constrained")
     for (kind, steps), marker in zip(step_s.items(), itertools.cycle("os^D")):
         (line,) = ax1.plot(ranks, np.array(steps) * 1e3, marker + "-",
                            label=f"{kind}: DDP step, measured")
@@ -126,7 +126,7 @@ def plot_measured_scaling(
             title="Measured scaling efficiency")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=9)
     return fig
 
 
@@ -144,7 +144,7 @@ def plot_steps_to_target(
     trade-off curve ``(S/S_min - 1)(E/E_min - 1) = 1`` of
     :func:`~dpcourse.cost.noise_scale.tradeoff_examples` and the measured points scaled by the fit,
     each labelled with its batch size. Chapter 10, section 10.8."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.4), layout="constrained")
     bs = np.array(batches, dtype=float)
     grid = np.logspace(0, np.log10(batches[-1]), 100)
     ax1.plot(bs, steps, "o", label="measured (best learning rate)")
@@ -158,13 +158,13 @@ def plot_steps_to_target(
     ax2.plot(np.array(steps) / s_min, bs * np.array(steps) / e_min, "o",
              label="measured, scaled by the fit")
     for b, s in zip(batches, steps, strict=True):
-        ax2.annotate(str(b), (s / s_min, b * s / e_min), fontsize=7, xytext=(3, 3),
+        ax2.annotate(str(b), (s / s_min, b * s / e_min), fontsize=9, xytext=(3, 3),
                      textcoords="offset points")
     ax2.set(xscale="log", yscale="log", xlabel="S / S_min (steps)", ylabel="E / E_min (examples)",
             title="Steps against examples")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=9)
     return fig
 
 
@@ -186,6 +186,6 @@ def plot_two_level(result: Mapping, title: str) -> Figure:
     ax.set_yscale("log")
     ax.set_ylabel("all-reduce time (ms)")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     fig.tight_layout()
     return fig

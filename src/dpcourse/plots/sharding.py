@@ -38,7 +38,7 @@ def plot_memory_per_rank(
     if gpu_bytes is not None:
         ax.axhline(gpu_bytes / 1e9, color="grey", ls="--", lw=1)
         ax.text(max(world_sizes) * 0.29, gpu_bytes / 1e9 * 0.78,
-                f"one {gpu_bytes / 2**30:g} GiB GPU", color="grey", fontsize=8)
+                f"one {gpu_bytes / 2**30:g} GiB GPU", color="grey", fontsize=9)
     ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel="GB per rank (model states)",
            title=title)
     ax.set_xticks(world_sizes, [str(n) for n in world_sizes])
@@ -56,8 +56,9 @@ def plot_state_per_rank(
     world size N of ``state_per_rank`` (``{N: {optimizer name: bytes of rank 0, 1, ...}}``),
     side by side bars per optimizer for each rank, and a dashed line at the even share 1/N.
     ``num_params`` goes in the title. Chapter 9, section 9.6."""
-    fig, axes = plt.subplots(1, len(state_per_rank), figsize=(4 * len(state_per_rank), 3.5),
-                             sharey=True, layout="constrained", squeeze=False)
+    width = min(8.4, 3 * len(state_per_rank))  # the book's column: labels keep their size
+    fig, axes = plt.subplots(1, len(state_per_rank), figsize=(width, 3.2), sharey=True,
+                             layout="constrained", squeeze=False)
     for ax, (n, by_name) in zip(axes[0], state_per_rank.items(), strict=True):
         width = 0.76 / len(by_name)
         for k, (name, values) in enumerate(by_name.items()):
@@ -68,7 +69,7 @@ def plot_state_per_rank(
         ax.set(title=f"N = {n}", xlabel="rank", xticks=range(n))
         ax.grid(alpha=0.3, axis="y")
     axes[0, 0].set_ylabel("optimizer state / unsharded")
-    axes[0, 0].legend(fontsize=8)
+    axes[0, 0].legend(fontsize=9)
     fig.suptitle(f"Adam state per rank, measured (dashed: 1/N); {num_params:,} parameters")
     return fig
 
@@ -100,7 +101,7 @@ def plot_fsdp_timeline(timelines: Mapping[str, Sequence[tuple[str, str, float, f
             seen.add(kind)
         ax.set_yticks(range(len(layers)), [f"layer {n}" for n in layers])
         ax.invert_yaxis()
-        ax.legend(fontsize=7, loc="lower right", ncol=4)
+        ax.legend(fontsize=9, loc="lower right", ncol=4)
     axes[-1, 0].set_xlabel("time since the step began (ms)")
     fig.suptitle(title, fontsize=9)
     return fig
@@ -124,6 +125,6 @@ def plot_stream_trace(trace: dict, title: str) -> Figure:
     ax.set_yticks(range(len(rows)), [f"{r} stream" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time since the step's first GPU work (ms)")
-    fig.legend(fontsize=7, loc="outside lower center", ncol=3)  # off the bars
+    fig.legend(fontsize=9, loc="outside lower center", ncol=3)  # off the bars
     ax.set_title(title, fontsize=9, loc="left")
     return fig
