@@ -44,7 +44,9 @@ gradient accumulation without synchronising (:meth:`FSDP.set_requires_gradient_s
 forward run again in backward by activation checkpointing, which reuses the gathered parameters
 instead of gathering them a second time (:meth:`FSDP.in_backward`); and sharding over a
 sub-group of ranks, replicated across such groups (``shard_group``, ``replicate_group``: hybrid
-sharding, :mod:`dpcourse.sharding.hsdp`).
+sharding, :mod:`dpcourse.sharding.hsdp`). A model built on the ``meta`` device is sharded without
+memory, and :meth:`FSDP.materialize` then makes each rank's rows only
+(:mod:`dpcourse.sharding.meta_init`).
 
 Chapter 9: ZeRO stage 3 / FSDP from scratch.
 """
@@ -53,7 +55,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -380,6 +382,54 @@ class FSDP(nn.Module):
                     p.grad = self._seen[p][1]
         self._seen.clear()
 
+    # -------------------------------------------------------------------- meta device
+    @torch.no_grad()
+    def materialize(self, device: torch.device | str,
+                    init: Callable[[str, tuple[int, ...], int, int], torch.Tensor]) -> None:
+        """Give a model built on the ``meta`` device its values, each rank making only what it
+        keeps: ``init(name, shape, first_row, end_row)`` returns rows ``first_row:end_row`` of
+        the parameter ``name`` (the wrapped model's name) of ``shape`` (its rows along dim 0; a
+        0-dimensional parameter is one row), as fp32 or any dtype; it must give every rank the
+        same rows for the same arguments. Sharded layers get this rank's rows, replicated
+        parameters all of theirs; the full parameters get a device, and no memory until
+        gathered. Buffers must not be on ``meta`` (give them values before wrapping). Build the
+        optimizer afterwards: the parameters are new tensors."""
+        if self.device.type != "meta":
+            raise RuntimeError(f"materialize is for a model built on the meta device; this one "
+                               f"is on {self.device}")
+        if any(b.is_meta for b in self.module.buffers()):
+            raise ValueError("the model has buffers on the meta device: give them values (or "
+                             "build them on the target device) before wrapping it")
+        device = torch.device(device)
+        for layer in self.layers:
+            for i, pname in enumerate(layer.param_names):
+                shard, full = layer.shards[i], layer.full[i]
+                r0, r1 = layer.bounds[i][layer.rank]
+                rows = _rows(init, f"{layer.name}.{pname}", tuple(full.shape), r0, r1)
+                layer.shards[i] = nn.Parameter(rows.to(device, torch.float32).reshape(shard.shape),
+                                               requires_grad=shard.requires_grad)
+                layer.full[i] = nn.Parameter(torch.empty(full.shape, dtype=full.dtype,
+                                                         device=device),
+                                             requires_grad=full.requires_grad)
+                layer.full[i].untyped_storage().resize_(0)  # no memory until gathered
+                if full.requires_grad:
+                    layer.full[i].register_post_accumulate_grad_hook(self._grad_arrived(layer))
+            layer.use_full(False)  # the new shards into the module
+        replicated = {id(p) for p in self.replicated}
+        self.replicated = []
+        for name, p in list(self.module.named_parameters()):
+            if id(p) in replicated:
+                shape = tuple(p.shape)
+                values = _rows(init, name, shape, 0, shape[0] if shape else 1).reshape(shape)
+                new = nn.Parameter(values.to(device, p.dtype), requires_grad=p.requires_grad)
+                owner, _, attr = name.rpartition(".")
+                self.module.get_submodule(owner)._parameters[attr] = new
+                self.replicated.append(new)
+        self.device = device
+        self.comm.close()
+        self.comm = CommThread(device)
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+
     # --------------------------------------------------------------------- whole weights
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -435,6 +485,19 @@ def _check_not_shared(module: nn.Module, names: list[str]) -> None:
 def _cast(args: tuple, dtype: torch.dtype) -> tuple:
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)
+
+
+def _rows(init: Callable, name: str, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
+    """``init``'s rows ``r0:r1`` of the parameter ``name``, checked."""
+    rows = init(name, shape, r0, r1)
+    width = 1
+    for d in shape[1:]:
+        width *= d
+    if not isinstance(rows, torch.Tensor) or rows.numel() != (r1 - r0) * width:
+        got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"init({name!r}, {shape}, {r0}, {r1}) must return rows {r0}:{r1} of a "
+                         f"parameter of shape {shape}: {(r1 - r0) * width} values, got {got}")
+    return rows.detach()
 
 
 def _cast_outputs(out: Any, dtype: torch.dtype) -> Any:
