@@ -48,7 +48,7 @@ def test_the_student_notebook_keeps_outputs_but_the_solutions_and_their_checks()
     student = student_notebook(_executed_chapter(), keep_outputs=True)
     solution, check, other = student["cells"][1:]
     assert "secret" not in "".join(solution["source"]) and solution["outputs"] == []
-    want = not_attempted("ex-1-batch", "Exercise ex-1-batch: write your solution here")
+    want = not_attempted("ex-1-batch", "Exercise 1.1: write your solution here")
     assert check["outputs"] == [display_output(want)]
     assert "not attempted" in check["outputs"][0]["data"]["text/html"]
     assert "".join(other["outputs"][0]["text"]) == "4\n"

@@ -20,34 +20,35 @@ def failed(label: str, fn, *phrases: str) -> str:
     return result.message
 
 
-def test_the_appendix_registers_its_checks_under_12():
-    labels = {label for label in registry() if label.startswith("ex-12-")}
-    assert labels == {"ex-12-noam", "ex-12-batch-first", "ex-12-collate", "ex-12-step"}
-    assert all(registry()[label].chapter == 12 for label in labels)
+def test_the_appendix_registers_its_checks_under_its_own_part():
+    labels = [label for label in registry() if label.startswith("ex-bugs-")]
+    assert labels == ["ex-bugs-noam", "ex-bugs-batch-first", "ex-bugs-collate", "ex-bugs-step"]
+    assert [registry()[label].part for label in labels] == ["bugs"] * 4
+    assert [registry()[label].number for label in labels] == [f"Bugs.{k}" for k in range(1, 5)]
 
 
 def test_noam_check():
-    assert run_check("ex-12-noam", noam_lr).passed
+    assert run_check("ex-bugs-noam", noam_lr).passed
     seed = lambda step, d, w: d**-0.5 * min(max(step, 1) ** -0.5, step * w**-1.5)  # noqa: E731
-    failed("ex-12-noam", seed, "step 0", "got 0", "count s from 1")
+    failed("ex-bugs-noam", seed, "step 0", "got 0", "count s from 1")
     clamped = lambda step, d, w: noam_lr(max(step - 1, 0), d, w)  # noqa: E731
-    failed("ex-12-noam", clamped, "the rate of step 0 again", "one step late")
+    failed("ex-bugs-noam", clamped, "the rate of step 0 again", "one step late")
     no_warmup_power = lambda step, d, w: d**-0.5 * min((step + 1) ** -0.5, (step + 1) * w**-0.5)  # noqa: E731
-    failed("ex-12-noam", no_warmup_power, "got/expected")
+    failed("ex-bugs-noam", no_warmup_power, "got/expected")
 
 
 def test_batch_first_check():
-    assert run_check("ex-12-batch-first", bug_hunt.make_transformer).passed
+    assert run_check("ex-bugs-batch-first", bug_hunt.make_transformer).passed
 
     def seed(d, h, n, ff):
         return nn.Transformer(d, h, n, n, ff, dropout=0.0)
 
-    failed("ex-12-batch-first", seed, "example 0's output changed", "batch_first=True")
+    failed("ex-bugs-batch-first", seed, "example 0's output changed", "batch_first=True")
 
     def wrong_size(d, h, n, ff):
         return nn.Transformer(d, h, n, n, dropout=0.0, batch_first=True)  # default 2048 wide
 
-    failed("ex-12-batch-first", wrong_size, "dim_feedforward=32", "parameters")
+    failed("ex-bugs-batch-first", wrong_size, "dim_feedforward=32", "parameters")
 
     class TransposedIn(nn.Module):  # transposes the inputs but returns (seq, batch, d)
         def __init__(self, d, h, n, ff):
@@ -57,17 +58,17 @@ def test_batch_first_check():
         def forward(self, src, tgt, **kw):
             return self.t(src.transpose(0, 1), tgt.transpose(0, 1), **kw)
 
-    failed("ex-12-batch-first", TransposedIn, "example 0's output changed")
+    failed("ex-bugs-batch-first", TransposedIn, "example 0's output changed")
 
 
 def test_collate_check():
-    assert run_check("ex-12-collate", bug_hunt.pad_collate).passed
+    assert run_check("ex-bugs-collate", bug_hunt.pad_collate).passed
 
     def stacks(samples):
         src, tgt = default_collate(samples)
         return src, tgt[:, :-1], tgt[:, 1:], src == PAD
 
-    failed("ex-12-collate", stacks, "raised RuntimeError", "stack expects")
+    failed("ex-bugs-collate", stacks, "raised RuntimeError", "stack expects")
 
     def to_max_len(samples):  # pads to the data set's maximum, as the seed's data set does
         src = torch.full((len(samples), 7), PAD)
@@ -76,13 +77,13 @@ def test_collate_check():
             src[i, : len(s)], tgt[i, : len(t)] = s, t
         return src, tgt[:, :-1], tgt[:, 1:], src == PAD
 
-    failed("ex-12-collate", to_max_len, "src: expected shape", "longest sequence of the batch")
+    failed("ex-bugs-collate", to_max_len, "src: expected shape", "longest sequence of the batch")
 
     def inverted_mask(samples):
         src, tgt_in, tgt_out, pad = bug_hunt.pad_collate(samples)
         return src, tgt_in, tgt_out, ~pad
 
-    failed("ex-12-collate", inverted_mask, "True at the real tokens")
+    failed("ex-bugs-collate", inverted_mask, "True at the real tokens")
 
     def pads_with_eos(samples):
         pad = nn.utils.rnn.pad_sequence
@@ -91,12 +92,12 @@ def test_collate_check():
         mask = bug_hunt.pad_collate(samples)[3]
         return src, tgt[:, :-1], tgt[:, 1:], mask
 
-    failed("ex-12-collate", pads_with_eos, "the padding holds [2]", "expected PAD (0)")
+    failed("ex-bugs-collate", pads_with_eos, "the padding holds [2]", "expected PAD (0)")
 
     def no_mask(samples):
         return bug_hunt.pad_collate(samples)[:3]
 
-    failed("ex-12-collate", no_mask, "expected a tuple (src, tgt_in, tgt_out, src_pad)")
+    failed("ex-bugs-collate", no_mask, "expected a tuple (src, tgt_in, tgt_out, src_pad)")
 
 
 def _step(*, cuda_amp=False, counts_pad=False, no_mask=False, clip_first=False, sched=True):
@@ -128,14 +129,14 @@ def _step(*, cuda_amp=False, counts_pad=False, no_mask=False, clip_first=False, 
 
 
 def test_step_check():
-    assert run_check("ex-12-step", bug_hunt.fixed_step).passed
-    assert run_check("ex-12-step", _step()).passed
-    failed("ex-12-step", _step(cuda_amp=True), "torch.cuda.amp", "switch themselves off")
-    failed("ex-12-step", _step(counts_pad=True), "are PAD", "ignore_index=PAD")
-    failed("ex-12-step", _step(no_mask=True), "attended to the padding", "src_pad")
-    failed("ex-12-step", _step(clip_first=True), "clipped the scaled gradients", "unscale_")
-    failed("ex-12-step", _step(sched=False), "scheduler.step()")
+    assert run_check("ex-bugs-step", bug_hunt.fixed_step).passed
+    assert run_check("ex-bugs-step", _step()).passed
+    failed("ex-bugs-step", _step(cuda_amp=True), "torch.cuda.amp", "switch themselves off")
+    failed("ex-bugs-step", _step(counts_pad=True), "are PAD", "ignore_index=PAD")
+    failed("ex-bugs-step", _step(no_mask=True), "attended to the padding", "src_pad")
+    failed("ex-bugs-step", _step(clip_first=True), "clipped the scaled gradients", "unscale_")
+    failed("ex-bugs-step", _step(sched=False), "scheduler.step()")
 
 
 def test_the_seed_pieces_fail_their_checks():
-    assert not run_check("ex-12-noam", lambda s, d, w: bug_hunt_seed.noam_lambda(s, d, w)).passed
+    assert not run_check("ex-bugs-noam", lambda s, d, w: bug_hunt_seed.noam_lambda(s, d, w)).passed

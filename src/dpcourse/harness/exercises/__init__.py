@@ -3,8 +3,11 @@
 How an exercise is written in a chapter notebook (chapter 1 is the model to copy):
 
 1. A markdown cell with the statement, as a sphinx-exercise directive labelled
-   ``ex-<chapter>-<slug>``; the solution in a markdown cell of its own
-   (``{solution} ex-<chapter>-<slug>`` with ``:class: dropdown``, so the website folds it).
+   ``ex-<chapter>-<slug>`` (on the appendix pages ``ex-lab-<slug>`` and ``ex-bugs-<slug>``);
+   the solution in a markdown cell of its own (``{solution} ex-<chapter>-<slug>`` with
+   ``:class: dropdown``, so the website folds it). The exercise's number ("Exercise 5.2") comes
+   from its place on the page (:mod:`~dpcourse.harness.exercises.numbering`): after adding,
+   moving or removing one, run ``python -m dpcourse.harness.exercises numbers --write``.
 2. For a coding exercise, a code cell tagged ``solution`` and ``hide-input`` where the
    learner's function has a fixed name and the reference code sits between marker lines::
 
@@ -14,14 +17,18 @@ How an exercise is written in a chapter notebook (chapter 1 is the model to copy
            # END SOLUTION
 
    The student edition replaces the lines between the markers with
-   ``raise NotImplementedError(...)`` and drops the solution directives.
+   ``raise NotImplementedError(...)`` and drops the solution directives; the full website shows
+   that starter code and the check, and moves the reference code and what its check printed
+   into the solution's fold (``_ext/exercise_pages.py``).
 3. A check cell: ``check.chunk_data(my_chunk_data)``. The check lives in
-   ``dpcourse/exercises/chNN.py`` (the appendix's diagnosis lab: ``lab.py``, labels
-   ``ex-11-<slug>``), registered with :func:`~dpcourse.harness.exercises.core.exercise`; it passes
-   the package's reference and fails wrong answers with a specific message.
+   ``dpcourse/harness/exercises/chNN.py`` (the diagnosis lab's: ``lab.py``, labels
+   ``ex-lab-<slug>``; find the bugs: ``bug_hunt.py``, ``ex-bugs-<slug>``), registered with
+   :func:`~dpcourse.harness.exercises.core.exercise`; it passes the package's reference and fails
+   wrong answers with a specific message.
 
 Commands (``python -m dpcourse.harness.exercises --help``): ``student`` writes the student edition
-of the book's sources, ``grade`` executes submitted notebooks and writes a score table (CSV).
+of the book's sources, ``grade`` executes submitted notebooks and writes a score table (CSV),
+``numbers --write`` writes the exercises' numbers from the pages.
 
 Chapter 0: the exercise checks of the whole course.
 """
@@ -62,9 +69,9 @@ __all__ = [
 
 @functools.cache
 def load_all() -> None:
-    """Import every chapter's check module (``chNN.py``) and the appendix's diagnosis lab
-    (``lab.py``, labels ``ex-11-...``) and "find the bugs" (``bug_hunt.py``, ``ex-12-...``) so
-    that their checks are registered."""
+    """Import every chapter's check module (``chNN.py``) and the appendices' diagnosis lab
+    (``lab.py``, labels ``ex-lab-...``) and "find the bugs" (``bug_hunt.py``, ``ex-bugs-...``)
+    so that their checks are registered."""
     for info in pkgutil.iter_modules(__path__):
         if (info.name.startswith("ch") and info.name[2:].isdigit()) or info.name in (
             "lab",

@@ -1,4 +1,5 @@
-"""Instructor commands: ``python -m dpcourse.harness.exercises {student,edition,grade,list}``.
+"""Instructor commands: ``python -m dpcourse.harness.exercises
+{student,edition,grade,list,numbers}``.
 
 Chapter 0: the course's tooling (appendix A, the instructor guide, explains it).
 """
@@ -12,7 +13,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from dpcourse.harness.exercises import grading, registry
+from dpcourse.harness.exercises import exercise_numbers, grading, numbering, registry
 from dpcourse.harness.exercises.student import make_executed_edition, make_student_edition
 
 
@@ -71,7 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         help="submissions graded at once (default: the CPU cores, at most 4)",
     )
 
-    sub.add_parser("list", help="list the exercises that have checks")
+    sub.add_parser("list", help="list the exercises that have checks, with their numbers")
+
+    p = sub.add_parser(
+        "numbers",
+        help="the exercises' numbers from the pages (see dpcourse.harness.exercises.numbering)",
+    )
+    p.add_argument("--root", default=".", help="the book (folder with _toc.yml)")
+    p.add_argument(
+        "--write", action="store_true", help="write them into exercise_numbers.py",
+    )
     args = parser.parse_args(argv)
 
     if args.command in ("student", "edition"):
@@ -109,9 +119,25 @@ def main(argv: list[str] | None = None) -> int:
         for name, (score, count) in totals.items():
             print(f"{score}/{count}  {name}")
         print(f"scores written to {args.out}")
+    elif args.command == "numbers":
+        try:
+            numbers = numbering.numbers_in_book(Path(args.root))
+        except (ValueError, FileNotFoundError) as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        for label, number in numbers.items():
+            print(f"Exercise {number:<8} {label}")
+        if args.write:
+            changed = numbering.write_table(Path(args.root))
+            print(f"{numbering.TABLE_MODULE}: {'written' if changed else 'already up to date'}")
+        elif numbers != exercise_numbers.NUMBERS:
+            print(f"{numbering.TABLE_MODULE} differs from the pages: run this with --write",
+                  file=sys.stderr)
+            return 1
     else:
         for ex in registry().values():
-            print(f"{ex.label:<20} check.{ex.name}({ex.function or '...'})")
+            print(f"Exercise {ex.number or '?':<8} {ex.label:<22} "
+                  f"check.{ex.name}({ex.function or '...'})")
     return 0
 
 

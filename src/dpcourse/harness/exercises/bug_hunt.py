@@ -2,9 +2,9 @@
 
 Each check runs the learner's piece where the seed's went wrong and compares it with the fix in
 :mod:`dpcourse.debugging.bug_hunt`; the seed's own piece and the plausible half-fixes fail with
-what they get wrong. The appendix's labels use 12 (``ex-12-<slug>``), the number after the diagnosis
-lab's 11, so that the grader, which finds a notebook's chapter from its labels, grades each
-appendix on its own exercises.
+what they get wrong. The appendix's labels are ``ex-bugs-<slug>`` and its exercises are numbered
+Bugs.1 to Bugs.4 (:mod:`dpcourse.harness.exercises.numbering`), so that the grader, which finds a
+notebook's part from its labels, grades each appendix on its own exercises.
 
 Chapter 12: Appendix: find the bugs (exercise checks).
 """
@@ -31,7 +31,7 @@ from dpcourse.practice.lr_schedule import noam_lr
 CASES = [(32, 4), (512, 4000), (16, 1)]  # (d_model, warmup)
 
 
-@exercise("ex-12-noam", function="my_noam_lambda", timeout=10)
+@exercise("ex-bugs-noam", function="my_noam_lambda", timeout=10)
 def noam_lambda(fn: Callable) -> str:
     """``fn(step, d_model, warmup)``: the Noam multiplier of step ``step`` (from 0), the
     formula at s = step + 1, for ``LambdaLR``."""
@@ -65,7 +65,7 @@ def _mixing_inputs(seed: int, batch: int, src_len: int, tgt_len: int, d_model: i
             torch.randn(batch, tgt_len, d_model, generator=g))  # fmt: skip
 
 
-@exercise("ex-12-batch-first", function="my_make_transformer", timeout=30)
+@exercise("ex-bugs-batch-first", function="my_make_transformer", timeout=30)
 def make_transformer(fn: Callable) -> str:
     """``fn(d_model, nhead, layers, ff)`` returns the seed's ``nn.Transformer`` fixed for
     ``(batch, seq, d_model)`` tensors."""
@@ -118,7 +118,7 @@ def _pairs_for_collate():
     return pairs[1:]  # the longest first but not of the data set's maximum length
 
 
-@exercise("ex-12-collate", function="my_collate", timeout=10)
+@exercise("ex-bugs-collate", function="my_collate", timeout=10)
 def collate(fn: Callable) -> str:
     """``fn(samples)``: a list of variable-length ``(src, tgt)`` pairs to ``(src, tgt_in,
     tgt_out, src_pad)``, as :func:`dpcourse.debugging.bug_hunt.pad_collate` returns them."""
@@ -155,7 +155,7 @@ def collate(fn: Callable) -> str:
     return "pads each batch to its longest sequence, with PAD, and masks exactly the padding"
 
 
-# ------------------------------------------------------------------------------ ex-12-step
+# ------------------------------------------------------------------------------ ex-bugs-step
 def _step_setup():
     torch.manual_seed(0)
     model = bug_hunt.Seq2Seq(d_model=16, ff=32)
@@ -178,7 +178,7 @@ def _run_steps(step: Callable, max_norm: float = 0.5):
     return losses, weights, optimizer.param_groups[0]["lr"], cuda_amp
 
 
-@exercise("ex-12-step", function="my_train_step", timeout=60)
+@exercise("ex-bugs-step", function="my_train_step", timeout=60)
 def train_step(fn: Callable) -> str:
     """``fn(model, batch, optimizer, scheduler, scaler, max_norm, dtype)``: one step of the
     seed, fixed, on a :class:`dpcourse.debugging.bug_hunt.Seq2Seq` and :func:`pad_collate`'s

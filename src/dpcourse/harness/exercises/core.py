@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dpcourse import runtime
+from dpcourse.harness.exercises import exercise_numbers, numbering
 from dpcourse.harness.launch import RankError, RankTimeoutError, run_ranks
 from dpcourse.harness.patching import library_collectives_forbidden, replaced
 
@@ -52,6 +53,7 @@ __all__ = [
     "display_output",
     "check",
     "DEFAULT_CHECK_TIMEOUT",
+    "exercise_title",
 ]
 
 DEFAULT_CHECK_TIMEOUT = 60.0
@@ -83,8 +85,21 @@ class Exercise:
     timeout: float
 
     @property
+    def part(self) -> str:
+        """The label's part: a chapter's number ("5") or an appendix's name ("lab")."""
+        return numbering.parse_label(self.label)[0]
+
+    @property
     def chapter(self) -> int:
-        return int(self.label.split("-")[1])
+        """The chapter's number; for an appendix's exercise, which has none, a number past
+        every chapter's (100 and up, in the book's order), so that sorting keeps the book's."""
+        part = self.part
+        return int(part) if part.isdigit() else 100 + list(numbering.APPENDICES).index(part)
+
+    @property
+    def number(self) -> str | None:
+        """The exercise's number in the book ("5.2", "Lab.1"; see ``numbering``)."""
+        return numbering.number_of(self.label)
 
 
 @dataclass
@@ -104,8 +119,10 @@ class CheckResult:
         return self.passed
 
     def text(self) -> str:
+        """One line, headed by the exercise's number as the book's heading shows it:
+        ``✓ Exercise 5.2 (ex-5-rounds): passed. ...``."""
         mark = {"passed": "✓", "not attempted": "…"}.get(self.status, "✗")
-        return f"{mark} {self.label} ({self.name}): {self.status}. {self.message}"
+        return f"{mark} {exercise_title(self.label)}: {self.status}. {self.message}"
 
     def html(self) -> str:
         colour = {"passed": "#1a7f37", "not attempted": "#6e7781"}.get(self.status, "#cf222e")
@@ -126,20 +143,27 @@ def display_output(result: CheckResult) -> dict[str, Any]:
     }
 
 
+def exercise_title(label: str) -> str:
+    """``"Exercise 5.2 (ex-5-rounds)"``: the number the book's heading shows and the label that
+    the checks, the grader and the instructor guide use (the label alone where the book has no
+    exercise of that label)."""
+    number = numbering.number_of(label)
+    return f"Exercise {number} ({label})" if number else f"Exercise {label}"
+
+
 _registry: dict[str, Exercise] = {}
 
 
 def exercise(
     label: str, function: str | None = None, timeout: float = DEFAULT_CHECK_TIMEOUT
 ) -> Callable[[Callable[[Callable], str]], Callable[[Callable], str]]:
-    """Register a check for the exercise ``label`` (``ex-<chapter>-<slug>``).
+    """Register a check for the exercise ``label`` (``ex-<chapter>-<slug>``, or on an appendix
+    page ``ex-lab-<slug>``, ``ex-bugs-<slug>``: see ``numbering``).
 
     ``function`` is the name the learner's function has in the notebook (the grader looks it
     up); ``timeout`` bounds the whole check in seconds.
     """
-    parts = label.split("-")
-    if len(parts) < 3 or parts[0] != "ex" or not parts[1].isdigit():
-        raise ValueError(f"exercise labels look like 'ex-<chapter>-<slug>', got {label!r}")
+    numbering.parse_label(label)  # a ValueError that says what a label looks like
 
     def register(fn: Callable[[Callable], str]) -> Callable[[Callable], str]:
         if label in _registry and _registry[label].check is not fn:
@@ -156,7 +180,9 @@ def registry() -> dict[str, Exercise]:
     from dpcourse.harness.exercises import load_all  # import here: a cycle (it imports this)
 
     load_all()
-    return dict(sorted(_registry.items(), key=lambda kv: (kv[1].chapter, kv[0])))
+    order = {label: i for i, label in enumerate(exercise_numbers.NUMBERS)}  # the book's
+    return dict(sorted(_registry.items(),
+                       key=lambda kv: (kv[1].chapter, order.get(kv[0], len(order)), kv[0])))
 
 
 # ----------------------------------------------------------------------------- running learner code

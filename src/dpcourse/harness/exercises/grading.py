@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpcourse.harness.exercises import numbering
 from dpcourse.harness.exercises.core import LOG_ENV, CheckResult, log_result, registry, run_check
 
 __all__ = [
@@ -45,38 +46,45 @@ DEFAULT_CELL_TIMEOUT = 300.0
 @dataclass
 class GradeRow:
     submission: str
-    chapter: int
+    chapter: str  # the labels' part: a chapter's number ("5") or an appendix's name ("lab")
     exercise: str
     status: str
     score: int
     message: str
 
 
-def chapter_of(nb: dict, name: str) -> int | None:
-    """Which chapter a notebook is: its exercise labels, else a leading number in its name."""
+def chapter_of(nb: dict, name: str) -> str | None:
+    """Which part of the book a notebook is, as its exercise labels name it ("5" for chapter 5,
+    "lab" for the diagnosis lab, "bugs" for find the bugs): its labels, else its file name (a
+    leading number, or the appendix page's name)."""
     text = "\n".join(
         "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
         for c in nb.get("cells", [])
     )
-    found = {int(m) for m in re.findall(r":label:\s*ex-(\d+)-", text)}
+    found = {str(int(m)) if m.isdigit() else m
+             for m in re.findall(r":label:\s*ex-(\d+|[a-z]+)-", text)}
     if len(found) == 1:
         return found.pop()
     m = re.match(r"(\d+)", Path(name).name)
-    return int(m.group(1)) if m else None
+    if m:
+        return str(int(m.group(1)))
+    return next((part for part, (_, page) in numbering.APPENDICES.items()
+                 if page in Path(name).stem), None)
 
 
 _GRADING_CELL = """
 from dpcourse.harness.exercises import grading as _dpcourse_grading
-_dpcourse_grading.check_namespace(globals(), {chapter})
+_dpcourse_grading.check_namespace(globals(), {chapter!r})
 """
 
 
-def check_namespace(namespace: dict, chapter: int) -> None:
-    """Run every check of ``chapter`` on the learner's functions found in ``namespace``
-    (the grading cell appended to a submission calls it); results go to the grade log."""
+def check_namespace(namespace: dict, chapter: str) -> None:
+    """Run every check of ``chapter`` (a part of the book as labels name it: "5", "lab") on the
+    learner's functions found in ``namespace`` (the grading cell appended to a submission calls
+    it); results go to the grade log."""
 
     for ex in registry().values():
-        if ex.chapter != chapter or not ex.function:
+        if ex.part != str(chapter) or not ex.function:
             continue
         fn = namespace.get(ex.function)
         if fn is None:
@@ -100,7 +108,7 @@ def _run_notebook(nb_path: Path, log_path: Path, cell_timeout: float) -> None:
     nb = nbformat.read(nb_path, as_version=4)
     nb.cells.append(
         nbformat.v4.new_code_cell(
-            _GRADING_CELL.format(chapter=int(os.environ["DPCOURSE_GRADE_CHAPTER"]))
+            _GRADING_CELL.format(chapter=os.environ["DPCOURSE_GRADE_CHAPTER"])
         )
     )
     client = nbclient.NotebookClient(
@@ -128,12 +136,12 @@ def _grade_one(name: str, content: bytes, timeout: float, cell_timeout: float) -
         nb = json.loads(content)
         chapter = chapter_of(nb, name)
     except (ValueError, KeyError, TypeError) as exc:
-        return [GradeRow(name, -1, "-", "not run", 0, f"not a notebook: {exc}")]
+        return [GradeRow(name, "-", "-", "not run", 0, f"not a notebook: {exc}")]
     if chapter is None:
         return [
             GradeRow(
                 name,
-                -1,
+                "-",
                 "-",
                 "not run",
                 0,
@@ -141,20 +149,17 @@ def _grade_one(name: str, content: bytes, timeout: float, cell_timeout: float) -
                 "the file after the chapter (01_single_device.ipynb)",
             )
         ]
-    exercises = [ex for ex in registry().values() if ex.chapter == chapter and ex.function]
+    exercises = [ex for ex in registry().values() if ex.part == chapter and ex.function]
     if not exercises:
-        return [
-            GradeRow(
-                name, chapter, "-", "not run", 0, f"chapter {chapter} has no checked exercises"
-            )
-        ]
+        what = f"chapter {chapter}" if chapter.isdigit() else f"the appendix {chapter!r}"
+        return [GradeRow(name, chapter, "-", "not run", 0, f"{what} has no checked exercises")]
 
     work = Path(tempfile.mkdtemp(prefix="dpcourse-grade-"))
     try:
         nb_path = work / "submission.ipynb"
         nb_path.write_bytes(content)
         log_path = work / "grade-log.jsonl"
-        env = dict(os.environ, HOME=str(work), DPCOURSE_GRADE_CHAPTER=str(chapter))
+        env = dict(os.environ, HOME=str(work), DPCOURSE_GRADE_CHAPTER=chapter)
         env[LOG_ENV] = str(log_path)
         env.pop("DPCOURSE_CHECKS_STRICT", None)
         proc = subprocess.Popen(

@@ -4,8 +4,9 @@ Each exercise asks the learner to name the cause of one injected fault with a ke
 :data:`dpcourse.debugging.diagnosis.CAUSES` (and, where it matters, a rank). A check accepts the
 right cause and answers every other one with why the measurement rules it out.
 
-The appendix has no chapter number of its own; its labels use 11 (``ex-11-<slug>``), the
-number after the last chapter, which is what the grader and the registry's order go by.
+The appendix has no chapter number of its own: its labels are ``ex-lab-<slug>`` and its
+exercises are numbered Lab.1 to Lab.4 (:mod:`dpcourse.harness.exercises.numbering`), which is
+what the grader, the registry's order and the checks' messages go by.
 
 Chapter 11: Appendix: the diagnosis lab (exercise checks).
 """
@@ -72,7 +73,7 @@ STRAGGLER_REASONS = {
 }
 
 
-@exercise("ex-11-straggler", function="my_straggler_diagnosis", timeout=10)
+@exercise("ex-lab-straggler", function="my_straggler_diagnosis", timeout=10)
 def straggler_cause(fn: Callable) -> str:
     """``fn()`` returns ``{"cause": <a key of CAUSES>, "rank": <the rank at fault>}`` for the
     lab's first run."""
@@ -111,7 +112,7 @@ HANG_REASONS = {
 }
 
 
-@exercise("ex-11-hang", function="my_hang_diagnosis", timeout=10)
+@exercise("ex-lab-hang", function="my_hang_diagnosis", timeout=10)
 def hang_cause(fn: Callable) -> str:
     """``fn()`` returns ``{"cause": <a key of CAUSES>, "rank": <the rank at fault>}`` for the
     lab's second run (the one the timeout ended)."""
@@ -152,7 +153,7 @@ BUCKET_REASONS = {
 }
 
 
-@exercise("ex-11-buckets", function="my_buckets_diagnosis", timeout=10)
+@exercise("ex-lab-buckets", function="my_buckets_diagnosis", timeout=10)
 def buckets_cause(fn: Callable) -> str:
     """``fn()`` returns the key of CAUSES that explains the slow DDP of the lab's third run."""
     cause = _cause(call_learner(fn))
@@ -177,7 +178,7 @@ def _bandwidth_reasons(report: str, ratio: float, n: int) -> dict[str, str]:
     }
 
 
-@exercise("ex-11-bandwidth", function="my_bandwidth_diagnosis", timeout=10)
+@exercise("ex-lab-bandwidth", function="my_bandwidth_diagnosis", timeout=10)
 def bandwidth_mistakes(fn: Callable) -> str:
     """``fn()`` returns ``{"A": <a key of CAUSES>, "B": <a key of CAUSES>}``: the mistake in each
     colleague's report of the lab's fourth measurement."""

@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from dpcourse.harness.exercises.core import display_output, not_attempted, registry
+from dpcourse.harness.exercises.numbering import number_of
 
 __all__ = [
     "copy_book",
@@ -71,8 +72,12 @@ def strip_solution_directives(text: str) -> str:
 
 
 def _not_written(label: str | None) -> str:
-    """The message of the stub's ``NotImplementedError``."""
-    return f"Exercise {label}: write your solution here" if label else "Write your solution here"
+    """The message of the stub's ``NotImplementedError``: ``Exercise 5.2: write your solution
+    here``, by the exercise's number (its label where the book has none), short enough that the
+    stub's line fits the website's column."""
+    if not label:
+        return "Write your solution here"
+    return f"Exercise {number_of(label) or label}: write your solution here"
 
 
 def strip_solution_code(source: str, label: str | None = None) -> str:
