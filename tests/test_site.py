@@ -99,3 +99,65 @@ def test_student_site_has_no_solution_text():
         assert "solution dropdown" not in text
     ch1 = text_of((STUDENT_HTML / "chapters" / "01_single_device.html").read_text())
     assert "not attempted" in ch1  # the checks ran on the unsolved stubs
+
+
+# --- Issue 34: exercises as a learner meets them, and what works on the static site ---------
+EXERCISE_HEADING = re.compile(
+    r'<div class="exercise admonition" id="([^"]+)">\s*<p class="admonition-title">'
+    r'<span class="caption-number">Exercise ([^ <]+) </span>')
+
+
+def test_every_exercise_heading_shows_the_number_its_checks_say():
+    from dpcourse.harness.exercises.exercise_numbers import NUMBERS
+
+    shown = {}
+    for name in toc_files():
+        shown.update(EXERCISE_HEADING.findall(page(name)))
+    assert shown == NUMBERS  # every exercise of the book, by the table the checks use
+    ch5 = text_of(page("chapters/05_collectives"))
+    assert "Solution to Exercise 5.1" in ch5 and "Exercise 16" not in ch5
+
+
+def test_a_coding_exercise_shows_its_starter_and_check_before_the_folded_solution():
+    html = page("chapters/05_collectives")
+    start = html.index('id="ex-5-rounds"')
+    end = html.index('class="exercise admonition"', start + 1)
+    block = html[start:end]
+    solution = block.index('class="solution dropdown')
+    assert block.index("exercise-starter") < solution
+    visible, folded = text_of(block[:solution]), text_of(block[solution:])
+    stub = 'NotImplementedError("Exercise 5.2: write your solution here")'
+    assert visible.index(stub) < visible.index("check.rounds(broadcast_rounds)")
+    assert "bit_length" not in visible and "passed." not in visible  # no answer before the fold
+    assert "bit_length" in folded and "Exercise 5.2 (ex-5-rounds)" in folded
+    assert "passed." in folded  # what the reference's check printed, inside the fold
+    guide = text_of(page("chapters/instructor_guide"))
+    assert "✗ Exercise 5.2 (ex-5-rounds): failed." in guide  # a failed check, run at build time
+
+
+def test_worked_answers_are_folded_under_the_label_the_text_quotes():
+    for name in ("chapters/05_collectives", "chapters/06_ring_all_reduce", "chapters/10_scaling"):
+        html = page(name)
+        labels = re.findall(r'<p class="collapsed admonition-title">([^<]+)</p>', html)
+        assert labels.count("Show the worked answer") >= 2, name
+        text = " ".join(text_of(html).replace("“", '"').replace("”", '"').split())
+        assert '("Show the worked answer")' in text and '("Click to show")' not in text, name
+
+
+def test_search_has_one_box_snippets_and_names_its_glossary_hits():
+    chapter = page("chapters/05_collectives")
+    assert chapter.count("search-button-field") == 1  # the sidebar's, not the header's too
+    options = (HTML / "_static" / "documentation_options.js").read_text()
+    assert "SHOW_SEARCH_SUMMARY: true" in options
+    search = (HTML / "search.html").read_text()
+    assert "_static/page_texts.js" in search and "_static/search_results.js" in search
+    texts = (HTML / "_static" / "page_texts.js").read_text()
+    assert '"chapters/glossary.html"' in texts and 'id=\\"term-all-reduce\\"' in texts
+    assert "<img" not in texts and "data:image" not in texts  # prose, not outputs
+
+
+def test_the_ring_explorer_carries_its_frames():
+    html = page("chapters/06_ring_all_reduce")
+    assert 'class="ring-explorer"' in html and "var data = {" in html
+    assert "widget-view+json" not in html[html.index('class="ring-explorer"') - 3000:
+                                          html.index('class="ring-explorer"')]

@@ -148,3 +148,29 @@ def test_recorded_runs_are_read_with_where_and_when_they_were_recorded(tmp_path,
                       "(not measured in this build)")
     runs, source = bench_cluster.recorded_runs((2, 3))  # no ch6-cluster-3.json
     assert runs == {} and "for N in [3] is not next to" in source
+
+
+def test_the_explorer_carries_every_frame_and_draws_without_a_kernel():
+    """ring_explorer is HTML and JavaScript with every frame in it (issue 34: its ipywidgets
+    sliders moved nothing on the static website); its data are ring_frames' frames."""
+    import json
+    import re
+
+    frames = viz_ring.explorer_frames(5)
+    assert sorted(frames) == [2, 3, 4, 5]
+    for world, drawn in frames.items():
+        real = viz_ring.ring_frames(world)
+        assert [f["caption"] for f in drawn] == [f.caption for f in real]
+        assert [f["arrows"] for f in drawn] == [[list(a) for a in f.arrows] for f in real]
+        last = drawn[-1]["cells"]
+        assert all(cell[3] for row in last for cell in row)  # every chunk holds the whole sum
+        assert drawn[0]["cells"][1][0][0] == "b" and drawn[0]["cells"][0][0][3] is False
+    html = viz_ring.ring_explorer(max_world=5).data
+    assert 'name="ranks" min="2" max="5" value="4"' in html and 'name="frame"' in html
+    assert "ipywidgets" not in html and "<script>" in html
+    data = json.loads(re.search(r"var data = (\{.*?\});", html).group(1))
+    assert data == json.loads(json.dumps(frames))  # the page has them all, keyed by N
+    with pytest.raises(ValueError, match="max_world"):
+        viz_ring.explorer_frames(1)
+    with pytest.raises(ValueError, match="world must be from 2"):
+        viz_ring.ring_explorer(max_world=3, world=4)

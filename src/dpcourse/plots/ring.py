@@ -12,11 +12,14 @@ Chapter 6: the ring all-reduce animated, and the bytes each rank sends.
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 from matplotlib import animation
+from matplotlib.colors import to_hex
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from dpcourse.collectives.ring import ring_schedule
@@ -179,27 +182,120 @@ def ring_animation(world: int = 4, interval_ms: int = 1200) -> animation.FuncAni
     return anim
 
 
-def ring_explorer(max_world: int = 8):
-    """An ipywidgets explorer for the live notebook: pick the number of ranks and the frame."""
-    import ipywidgets as widgets  # import here: optional (the live notebook only), not a dependency
+def explorer_frames(max_world: int = 8) -> dict[int, list[dict]]:
+    """The frames of :func:`ring_frames` for 2 to ``max_world`` ranks as plain data, drawn as
+    :func:`draw_ring_frame` draws them: per frame its caption, the messages in flight as
+    ``[from rank, to rank, chunk]``, and per rank and chunk the label, fill and text colours and
+    whether the chunk holds the complete sum (what :func:`ring_explorer`'s page draws)."""
+    if isinstance(max_world, bool) or not isinstance(max_world, int) or max_world < 2:
+        raise ValueError(f"max_world must be a number of ranks of at least 2, got {max_world!r}")
+    cmap = plt.get_cmap("Blues")
+    out: dict[int, list[dict]] = {}
+    for world in range(2, max_world + 1):
+        frames = []
+        for frame in ring_frames(world):
+            cells = []
+            for row in frame.holdings:
+                cells.append([
+                    [_label(who, world), to_hex(cmap(0.15 + 0.75 * len(who) / world)),
+                     "#ffffff" if len(who) / world > 0.6 else "#000000", len(who) == world]
+                    for who in row
+                ])
+            frames.append({"caption": frame.caption, "arrows": [list(a) for a in frame.arrows],
+                           "cells": cells})
+        out[world] = frames
+    return out
 
-    out = widgets.Output()
-    world = widgets.IntSlider(value=4, min=2, max=max_world, description="ranks")
-    index = widgets.IntSlider(value=0, min=0, max=len(ring_frames(4)) - 1, description="frame")
 
-    def redraw(*_):
-        frames = ring_frames(world.value)
-        index.max = len(frames) - 1
-        with out:
-            out.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=ring_figsize(world.value))
-            draw_ring_frame(frames[min(index.value, index.max)], ax)
-            plt.show()
+_EXPLORER_JS = """
+(function () {
+  var root = document.getElementById("%(id)s");
+  var data = %(data)s;
+  var world = root.querySelector("input[name=ranks]");
+  var step = root.querySelector("input[name=frame]");
+  var svg = root.querySelector("svg"), caption = root.querySelector(".ring-explorer-caption");
+  var S = 56, NS = "http://www.w3.org/2000/svg";
+  function el(name, attrs, text) {
+    var e = document.createElementNS(NS, name);
+    for (var k in attrs) e.setAttribute(k, attrs[k]);
+    if (text !== undefined) e.textContent = text;
+    return e;
+  }
+  function draw() {
+    var n = +world.value, frames = data[n];
+    step.max = frames.length - 1;
+    if (+step.value > frames.length - 1) step.value = frames.length - 1;
+    var f = frames[+step.value], h = 0.62, top = h + 0.6, left = -1.4;
+    var width = (n * 1.25 + 0.3 - left) * S, height = (top + (n - 1) + 0.4) * S;
+    var X = function (x) { return (x - left) * S; }, Y = function (y) { return (top - y) * S; };
+    svg.setAttribute("viewBox", "0 0 " + width + " " + height);
+    svg.setAttribute("width", width); svg.setAttribute("height", height);
+    svg.setAttribute("aria-label", "Ring all-reduce on " + n + " ranks, frame " + step.value +
+                     " of " + (frames.length - 1) + ": " + f.caption);
+    while (svg.lastChild && svg.lastChild.tagName !== "defs") svg.removeChild(svg.lastChild);
+    for (var c = 0; c < n; c++)
+      svg.appendChild(el("text", {x: X(c * 1.25 + 0.5), y: Y(h + 0.25), "text-anchor": "middle",
+                                  "font-size": 12}, "chunk " + c));
+    f.cells.forEach(function (row, r) {
+      svg.appendChild(el("text", {x: X(-0.35), y: Y(-r + h / 2) + 4, "text-anchor": "end",
+                                  "font-size": 13}, "rank " + r));
+      row.forEach(function (cell, c) {
+        svg.appendChild(el("rect", {x: X(c * 1.25), y: Y(-r + h), width: S, height: h * S,
+                                    fill: cell[1], stroke: "#000",
+                                    "stroke-width": cell[3] ? 2 : 0.8}));
+        svg.appendChild(el("text", {x: X(c * 1.25 + 0.5), y: Y(-r + h / 2) + 4,
+                                    "text-anchor": "middle", fill: cell[2],
+                                    "font-size": n <= 4 ? 12 : n <= 6 ? 9 : 8}, cell[0]));
+      });
+    });
+    f.arrows.forEach(function (a) {
+      var x = a[2] * 1.25 + 0.5, d;
+      if (a[1] === a[0] + 1)
+        d = "M" + X(x + 0.18) + " " + Y(-a[0]) + " L" + X(x + 0.18) + " " + Y(-a[1] + h);
+      else  // the wrap-around from the last rank to rank 0
+        d = "M" + X(x + 0.42) + " " + Y(-a[0] + h / 2) + " Q" + X(x + 0.42 + 0.2 * n) + " " +
+            Y((-a[0] + h) / 2) + " " + X(x + 0.42) + " " + Y(h / 2);
+      svg.appendChild(el("path", {d: d, fill: "none", stroke: "#d62728", "stroke-width": 2.5,
+                                  "marker-end": "url(#%(id)s-arrow)"}));
+    });
+    caption.textContent = "Frame " + step.value + " of " + (frames.length - 1) + ": " + f.caption;
+    root.querySelector("output[name=ranks-shown]").textContent = n;
+  }
+  world.addEventListener("input", draw);
+  step.addEventListener("input", draw);
+  draw();
+})();
+"""
 
-    world.observe(redraw, "value")
-    index.observe(redraw, "value")
-    redraw()
-    return widgets.VBox([widgets.HBox([world, index]), out])
+
+def ring_explorer(max_world: int = 8, world: int = 4):
+    """The ring all-reduce explorer: two sliders, the number of ranks (2 to ``max_world``) and the
+    frame, over the frames of :func:`ring_frames`, drawn as :func:`draw_ring_frame` draws them.
+
+    It is a page of HTML and JavaScript with every frame in it, so the sliders work in a live
+    notebook and on the static website alike, without a kernel (an ipywidgets explorer drew
+    nothing new on the website). Returns an ``IPython.display.HTML``. Chapter 6."""
+    from IPython.display import HTML  # import here: IPython is the notebook's, not a dependency
+
+    frames = explorer_frames(max_world)
+    if world not in frames:
+        raise ValueError(f"world must be from 2 to max_world={max_world}, got {world!r}")
+    uid = f"ring-explorer-{uuid.uuid4().hex[:8]}"
+    script = _EXPLORER_JS % {"id": uid, "data": json.dumps(frames, separators=(",", ":"))}
+    return HTML(
+        f'<div id="{uid}" class="ring-explorer">'
+        f'<label>ranks <input type="range" name="ranks" min="2" max="{max_world}" '
+        f'value="{world}"></label> <output name="ranks-shown">{world}</output>'
+        f'&nbsp;&nbsp;<label>frame <input type="range" name="frame" min="0" '
+        f'max="{len(frames[world]) - 1}" value="0"></label>'
+        f'<p class="ring-explorer-caption" aria-live="polite"></p>'
+        f'<svg role="img" xmlns="http://www.w3.org/2000/svg" '
+        f'style="max-width:100%;height:auto;font-family:sans-serif">'
+        f'<defs><marker id="{uid}-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="5" '
+        f'markerHeight="5" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
+        f'fill="#d62728"/></marker></defs></svg>'
+        f"<script>{script}</script></div>"
+    )
 
 
 def plot_bytes_per_rank(
