@@ -201,7 +201,7 @@ def _on_rank() -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_ranks(_on_rank, 2, timeout=300)
+    return run_ranks(_on_rank, 2, backend="gloo", timeout=300)  # the host, on every machine
 
 
 def test_mixed_precision_policy_reads_as_fully_shard_reads_it(runs):

@@ -140,7 +140,8 @@ def _on_rank(ranks_per_node: int) -> dict:
 @pytest.fixture(scope="module", params=[(2, 2), (2, 3)], ids=["2x2", "2x3"])
 def runs(request):
     nodes, k = request.param
-    return nodes, k, run_ranks(_on_rank, nodes * k, k, timeout=240)
+    # on the host over gloo on every machine: fully_shard on a CPU mesh, as ours
+    return nodes, k, run_ranks(_on_rank, nodes * k, k, backend="gloo", timeout=240)
 
 
 def test_hsdp_equals_fully_shard_on_a_2d_mesh_after_10_steps(runs):
@@ -206,4 +207,4 @@ def test_hsdp_refuses_a_layout_that_does_not_fit():
             HSDP(make_net(), 2, shard_group=None)
         return True
 
-    assert all(run_ranks(on_rank, 4, timeout=60))
+    assert all(run_ranks(on_rank, 4, backend="gloo", timeout=60))

@@ -98,7 +98,7 @@ def _on_rank() -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_ranks(_on_rank, 4, timeout=240)
+    return run_ranks(_on_rank, 4, backend="gloo", timeout=240)  # the host, on every machine
 
 
 def test_local_shapes_are_dtensors(runs):

@@ -257,8 +257,9 @@ def knobs_on_rank(configs: tuple[str, ...] = tuple(CONFIGS), width: int = 512,
 
 
 def measure_knobs(world_size: int = 2, **kwargs) -> dict:
-    """:func:`knobs_on_rank` on ``world_size`` ranks: rank 0's figures, and the model's size."""
-    result = run_ranks(knobs_on_rank, world_size, timeout=900, **kwargs)[0]
+    """:func:`knobs_on_rank` on ``world_size`` ranks: rank 0's figures, and the model's size.
+    The ranks run on the host over gloo on every machine: the memory measured is malloc's."""
+    result = run_ranks(knobs_on_rank, world_size, backend="gloo", timeout=900, **kwargs)[0]
     width, layers = kwargs.get("width", 512), kwargs.get("layers", 4)
     return {"world_size": world_size, "width": width, "layers": layers,
             "params": layers * (8 * width * width + 5 * width), "batch": kwargs.get("batch", 8),
@@ -349,7 +350,7 @@ def run(args: argparse.Namespace) -> dict:
                            batch=args.batch, ac_batch=args.ac_batch)
     result["reduction_ranks"] = args.reduction_ranks
     result["reduction"] = run_ranks(reduction_error_on_rank, args.reduction_ranks,
-                                    timeout=900)[0]
+                                    backend="gloo", timeout=900)[0]
     result["seconds"] = time.perf_counter() - start
     return result
 
