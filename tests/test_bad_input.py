@@ -173,6 +173,14 @@ def test_the_trainer_says_when_no_batch_fits_or_no_process_group_exists():
         train.main(["--strategy", "ddp-scratch", "--steps", "1"])
 
 
+def test_the_trainer_refuses_a_checkpoint_of_another_world_size_unless_told(tmp_path):
+    (tmp_path / "latest.json").write_text('{"step": 4, "path": "step-00000004", '
+                                          '"world_size": 2, "sharded_optimizer": false}')
+    with pytest.raises(SystemExit, match=r"written by 2 ranks and this job has 1: resume with 2 "
+                                         r"ranks to continue exactly, or pass --allow-resize"):
+        train.main(["--strategy", "single", "--steps", "8", "--checkpoint-dir", str(tmp_path)])
+
+
 def test_the_grade_command_turns_a_bad_argument_into_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         exercises_main(["grade", "no/such/folder", "--out", "/dev/null"])

@@ -20,8 +20,10 @@ Strategies (``--strategy``), all training the same model on the same global batc
 ``--batch-size`` is per rank: the effective batch is world size x batch size, and
 ``--lr-scaling``/``--warmup`` adapt the learning rate to it (chapter 8). With
 ``--checkpoint-dir`` it saves every ``--checkpoint-every`` steps and resumes from the newest
-checkpoint there, exactly where it stopped (same batches, same random numbers). Only rank 0
-logs. ``--crash-at-step`` makes one rank die, to show what a failure looks like (chapter 8).
+checkpoint there, exactly where it stopped (same batches, same random numbers); with
+``--allow-resize`` it also resumes one written by another number of ranks, as an elastic job
+that lost a node must (chapter 8), saying what changes. Only rank 0 logs.
+``--crash-at-step`` makes one rank die, to show what a failure looks like (chapter 8).
 
 ``main(argv)`` also runs inside :func:`dpcourse.harness.launch.run_ranks` (the process group exists
 then) and returns a summary dict; tests use it.
@@ -83,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # wait at a barrier while rank 0 writes a checkpoint (81 GB at 2 GB/s: 40 s, problem 8.3).
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a collective may wait (default 600, torch's NCCL default)")
+    p.add_argument("--allow-resize", action="store_true",
+                   help="resume a checkpoint written by another number of ranks (an elastic "
+                        "job that lost a node): weights, optimizer and step carry over, the "
+                        "random numbers and the data order do not")
     p.add_argument("--crash-at-step", type=int, default=None, help="a rank dies at this step")
     p.add_argument("--crash-rank", type=int, default=1)
     p.add_argument("--crash-marker", type=Path, default=None, help="crash only if this is absent")
@@ -242,12 +248,34 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- resume from the newest checkpoint, if there is one
     step = 0
     if args.checkpoint_dir is not None:
+        manifest = checkpoint.latest_checkpoint(args.checkpoint_dir)
+        saved_world = manifest["world_size"] if manifest else world
+        if saved_world != world and not args.allow_resize:
+            raise SystemExit(
+                f"the checkpoint in {args.checkpoint_dir} was written by {saved_world} ranks and "
+                f"this job has {world}: resume with {saved_world} ranks to continue exactly, or "
+                "pass --allow-resize to go on with these (an elastic job that lost a node)"
+            )
         resumed = checkpoint.load_checkpoint(
-            args.checkpoint_dir, raw_model, optimizer, scaler=scaler, scheduler=scheduler
+            args.checkpoint_dir, raw_model, optimizer, scaler=scaler, scheduler=scheduler,
+            restore_rng=saved_world == world,
         )
         if resumed is not None:
             step = resumed["step"]
             log(f"resumed from {resumed['path']} at step {step}")
+        if saved_world != world:
+            # What changes when the world does (chapter 8): the global batch, the learning rate
+            # the scaling rule gives it, the batches per epoch, and the trajectory.
+            old_lr = lr_at(step, args.lr, saved_world, args.warmup, args.lr_scaling)
+            new_lr = lr_at(step, args.lr, world, args.warmup, args.lr_scaling)
+            for group in optimizer.param_groups:
+                group["lr"] = new_lr  # the optimizer's saved rate was the old world's
+            log(f"resized from {saved_world} to {world} rank(s) at step {step}: the batch per "
+                f"rank stays {args.batch_size}, the global batch goes from "
+                f"{saved_world * args.batch_size} to {world * args.batch_size}, the learning "
+                f"rate from {old_lr:.2e} to {new_lr:.2e} (--lr-scaling {args.lr_scaling}), an "
+                f"epoch has {len(loader)} steps; the random numbers and the order of the data "
+                "are not those of a run without the fault")
     log(
         f"training {args.model} with {args.strategy} on {world} rank(s) ({info.backend}, "
         f"{device}): {args.steps} steps of {world} x {args.batch_size} samples"

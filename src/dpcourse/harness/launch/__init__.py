@@ -78,7 +78,7 @@ from dpcourse.harness.cluster import EmulatedCluster
 from dpcourse.harness.launch.errors import RankDiedError, RankError, RankTimeoutError
 from dpcourse.harness.launch.job import serialise
 from dpcourse.harness.launch.process import RankProcesses
-from dpcourse.harness.launch.torchrun import run_torchrun, run_torchrun_on_cluster
+from dpcourse.harness.launch.torchrun import TorchrunAgents, run_torchrun, run_torchrun_on_cluster
 
 __all__ = [
     "run_ranks",
@@ -88,6 +88,7 @@ __all__ = [
     "RankTimeoutError",
     "run_torchrun",
     "run_torchrun_on_cluster",
+    "TorchrunAgents",
 ]
 
 DEFAULT_TIMEOUT = 120.0

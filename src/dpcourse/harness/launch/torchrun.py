@@ -4,6 +4,8 @@
 small scripts with it, the way chapter 8 starts ``python -m dpcourse.practice.train``. It runs
 ``python -m torch.distributed.run --standalone`` (``torchrun``, from the same Python), so it
 needs no ``torchrun`` on the ``PATH``, and the ranks import the same ``dpcourse`` as the caller.
+On an emulated cluster, :class:`TorchrunAgents` starts one agent per node (and replacements for
+agents that died) and :func:`run_torchrun_on_cluster` starts them and waits (chapter 8).
 
 Chapter 0: the course-wide launcher's plumbing.
 """
@@ -11,15 +13,18 @@ Chapter 0: the course-wide launcher's plumbing.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dpcourse.harness.cluster import EmulatedCluster
 
-__all__ = ["run_torchrun", "run_torchrun_on_cluster"]
+__all__ = ["run_torchrun", "run_torchrun_on_cluster", "TorchrunAgents"]
 
 
 def run_torchrun(
@@ -109,6 +114,149 @@ def _environment(env: Mapping[str, str] | None) -> dict[str, str]:
     }
 
 
+class TorchrunAgents:
+    """``torchrun`` agents on the nodes of a started
+    :class:`~dpcourse.harness.cluster.EmulatedCluster`, one per node, each inside its node and
+    starting ``cluster.ranks_per_node`` workers, meeting at a c10d rendezvous hosted by node 0's
+    agent over the emulated network, as ``srun torchrun ...`` does on a SLURM cluster
+    (chapter 8). :func:`run_torchrun_on_cluster` starts them and waits; this class lets the
+    caller act while they run: inject a fault, start a replacement agent on a node whose agent
+    died (:meth:`start` with the node), read what each agent has written so far.
+
+    ``nnodes`` is torchrun's: ``"2"`` (the default: every node), or ``"1:2"`` for an elastic job
+    that goes on with fewer nodes; ``max_restarts`` how often an agent restarts its workers
+    after a failure; ``rdzv_conf`` more of the c10d rendezvous' settings (``join_timeout``,
+    ``last_call_timeout``, in seconds). Each agent is a session of its own, so that
+    :meth:`kill` ends it with its workers. Node 0's agent hosts the rendezvous store: losing
+    node 0 loses the rendezvous, and the job cannot recover (a store outside the nodes, such as
+    etcd, can).
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike,
+        cluster,
+        args: Sequence[str | os.PathLike] = (),
+        *,
+        module: bool = False,
+        nnodes: str | None = None,
+        max_restarts: int = 0,
+        env: Mapping[str, str] | None = None,
+        port: int = 29400,
+        rdzv_conf: Mapping[str, float] | None = None,
+    ):
+        check_cluster(cluster, port)
+        check_target(target, module)
+        check_options(1.0, max_restarts)
+        self.nnodes = str(cluster.nodes_count) if nnodes is None else nnodes
+        low, _, high = self.nnodes.partition(":")
+        if not (low.isdigit() and (high or low).isdigit()
+                and 1 <= int(low) <= int(high or low) <= cluster.nodes_count):
+            raise ValueError(f"nnodes must be torchrun's N or MIN:MAX with 1 <= MIN <= MAX <= "
+                             f"the cluster's {cluster.nodes_count} nodes, got {nnodes!r}")
+        self.cluster = cluster
+        self.target, self.module, self.args = target, module, [str(a) for a in args]
+        self.max_restarts, self.env, self.port = max_restarts, dict(env or {}), port
+        self.rdzv_conf = dict(rdzv_conf or {})
+        self.agents: dict[int, list[subprocess.Popen]] = {}  # every agent started, per node
+        self._folder = tempfile.mkdtemp(prefix="dpcourse-agents-")
+        self._files: dict[int, list[tuple[str, str]]] = {}
+
+    def command(self, node: int) -> list[str]:
+        """Node ``node``'s torchrun command line (run inside the node)."""
+        conf = {"is_host": int(node == 0), **self.rdzv_conf}
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.nnodes}", f"--nproc-per-node={self.cluster.ranks_per_node}",
+            f"--max-restarts={self.max_restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.cluster.nodes[0].address}:{self.port}",
+            "--rdzv-id=dpcourse", f"--local-addr={self.cluster.nodes[node].address}",
+            "--monitor-interval=0.2",
+            # node 0 hosts the store: torchrun would look for the endpoint among the machine's
+            # host names, and the emulated addresses are not among them
+            "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
+            *(["-m", str(self.target)] if self.module else [str(self.target)]),
+            *self.args,
+        ]  # fmt: skip
+
+    def start(self, node: int | None = None) -> TorchrunAgents:
+        """Start an agent on every node, or on node ``node`` alone (a replacement for one that
+        died: it joins the job's next rendezvous round)."""
+        for n in range(self.cluster.nodes_count) if node is None else [node]:
+            path = os.path.join(self._folder, f"node{n}-{len(self.agents.get(n, []))}.log")
+            with open(path, "w") as log:  # stdout and stderr in one file: lines in time order
+                agent = subprocess.Popen(
+                    self.cluster.command(n, *self.command(n)),
+                    env=_environment({"GLOO_SOCKET_IFNAME": "eth0", **self.env}),
+                    text=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            self.agents.setdefault(n, []).append(agent)
+            self._files.setdefault(n, []).append(path)
+        return self
+
+    def output(self, node: int) -> str:
+        """What every agent started on node ``node`` (and its workers) has written so far,
+        stdout and stderr together, agent after agent in the order they were started."""
+        text = []
+        for path in self._files.get(node, []):
+            with open(path) as f:
+                text.append(f.read())
+        return "".join(text)
+
+    def wait_for(self, text: str, node: int = 0, timeout: float = 240.0) -> float | None:
+        """Wait until ``text`` appears in node ``node``'s output (:meth:`output`); return the
+        ``time.monotonic()`` at which it was seen (within 50 ms), or None if every agent of the
+        node ended, or ``timeout`` seconds passed, first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.output(node):
+                return time.monotonic()
+            if all(a.poll() is not None for a in self.agents.get(node, [])):
+                return time.monotonic() if text in self.output(node) else None
+            time.sleep(0.05)
+        return None
+
+    def wait(self, timeout: float = 240.0) -> list[subprocess.CompletedProcess]:
+        """Wait for the last agent of each node; return them, node 0 first (``stdout`` holds
+        what every agent of that node wrote, replaced ones first, with their stderr; ``stderr``
+        is empty). After ``timeout``
+        seconds every agent is killed and ``subprocess.TimeoutExpired`` raised."""
+        check_options(timeout)
+        deadline = time.monotonic() + timeout
+        try:
+            for node in sorted(self.agents):
+                self.agents[node][-1].wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return [subprocess.CompletedProcess(self.agents[node][-1].args,
+                                            self.agents[node][-1].returncode,
+                                            self.output(node), "")
+                for node in sorted(self.agents)]
+
+    def kill(self) -> None:
+        """Kill every agent still running, with its workers."""
+        for agents in self.agents.values():
+            for agent in agents:
+                if agent.poll() is None:
+                    try:
+                        os.killpg(agent.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    agent.wait()
+
+    def close(self) -> None:
+        """Kill what still runs and remove the output files."""
+        self.kill()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def __enter__(self) -> TorchrunAgents:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def run_torchrun_on_cluster(
     target: str | os.PathLike,
     cluster,
@@ -118,40 +266,15 @@ def run_torchrun_on_cluster(
     timeout: float = 240.0,
     env: Mapping[str, str] | None = None,
     port: int = 29400,
+    nnodes: str | None = None,
+    max_restarts: int = 0,
 ) -> list[subprocess.CompletedProcess]:
     """One ``torchrun`` agent per node of a started
-    :class:`~dpcourse.harness.cluster.EmulatedCluster`, each inside its node and starting
-    ``cluster.ranks_per_node`` ranks, meeting at a c10d rendezvous hosted by node 0's agent
-    over the emulated network, as ``srun torchrun ...`` does on a SLURM cluster (chapter 8).
-    Returns each node's finished agent, node 0 first. After ``timeout`` seconds every agent is
-    killed and ``subprocess.TimeoutExpired`` raised."""
+    :class:`~dpcourse.harness.cluster.EmulatedCluster` (:class:`TorchrunAgents`), started and
+    waited for: returns each node's finished agent, node 0 first. After ``timeout`` seconds
+    every agent is killed and ``subprocess.TimeoutExpired`` raised."""
     check_cluster(cluster, port)
-    check_options(timeout)
-    head = cluster.nodes[0].address
-    agents = []
-    for node in range(cluster.nodes_count):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={cluster.nodes_count}", f"--nproc-per-node={cluster.ranks_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={head}:{port}", "--rdzv-id=dpcourse",
-            f"--local-addr={cluster.nodes[node].address}", "--monitor-interval=0.2",
-            # node 0 hosts the store: torchrun would look for the endpoint among the machine's
-            # host names, and the emulated addresses are not among them
-            f"--rdzv-conf=is_host={int(node == 0)}",
-            *(["-m", str(target)] if module else [str(target)]),
-            *(str(a) for a in args),
-        ]  # fmt: skip
-        node_env = _environment({"GLOO_SOCKET_IFNAME": "eth0", **(env or {})})
-        agents.append(subprocess.Popen(cluster.command(node, *cmd), env=node_env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    deadline = time.monotonic() + timeout
-    try:
-        outputs = [agent.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                   for agent in agents]
-    except subprocess.TimeoutExpired:
-        for agent in agents:
-            agent.kill()
-            agent.communicate()
-        raise
-    return [subprocess.CompletedProcess(a.args, a.returncode, out, err)
-            for a, (out, err) in zip(agents, outputs, strict=True)]
+    check_options(timeout, max_restarts)
+    with TorchrunAgents(target, cluster, args, module=module, env=env, port=port,
+                        nnodes=nnodes, max_restarts=max_restarts) as agents:
+        return agents.wait(timeout)
