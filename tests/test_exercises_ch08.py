@@ -153,3 +153,41 @@ def test_syncbn_check_names_the_variance_mistake(short_timeouts):
         return mean, v / dist.get_world_size()
 
     expect_fail("ex-8-syncbn", right_mean_wrong_var, "misses the spread")
+
+
+# ------------------------------------------------------------------------ ex-8-recovery
+def test_recovery_check_reads_the_recorded_log():
+    """The answer comes from the recorded elastic run's log (benchmarks/cpu-2core/elastic.json):
+    node 1 was killed; node 0 resumed from the checkpoint of step 4."""
+    from dpcourse.harness.bench import elastic, recorded
+
+    lines = elastic.recovery_log(recorded("elastic"), "kill")
+    assert any("Connection reset by peer" in ln or "closed by peer" in ln for ln in lines)
+    assert elastic.resumed_step(lines) == 4
+    assert run_check("ex-8-recovery", lambda: {"node": 1, "step": 4}).passed
+    expect_fail("ex-8-recovery", lambda: {"node": 0, "step": 4},
+                "node 0 printed this log, and it did not fail", "ending in .(i+1)")
+    expect_fail("ex-8-recovery", lambda: {"node": 2, "step": 4}, "nodes 0 and 1")
+    expect_fail("ex-8-recovery", lambda: {"node": 1, "step": 0}, "did not start over")
+    expect_fail("ex-8-recovery", lambda: {"node": 1, "step": 12},
+                "step 12 is not where the job resumed", "resumed from ... at step N")
+    expect_fail("ex-8-recovery", lambda: {"node": "node 1", "step": 4},
+                "the node: expected an int")
+    expect_fail("ex-8-recovery", lambda: (1, 4), 'expected a dict {"node": ..., "step": ...}')
+
+
+def test_recovery_check_names_the_steps_done_twice(monkeypatch):
+    """A log that reached step 6 before the failure and resumed at 4: answering 6 is the mistake
+    the check explains."""
+    from dpcourse.harness.bench import elastic
+
+    lines = ["step     2 | loss 0.7", "step     4 | loss 0.6", "step     6 | loss 0.5",
+             "resumed from <dir>/elastic-kill/step-00000004 at step 4", "step     8 | loss 0.4"]
+    assert elastic.last_step_before_failure(lines) == 6 and elastic.resumed_step(lines) == 4
+    record = {"kill": {"fault": "node 1: 2 processes killed", "output": {"node 0": lines}}}
+    monkeypatch.setattr(ch08, "recorded", lambda name: record)
+    expect_fail("ex-8-recovery", lambda: {"node": 1, "step": 6},
+                "step 6 was the last step logged before the failure",
+                "steps 5 to 6 were done twice")
+    assert "steps 5 to 6 were done again" in run_check(
+        "ex-8-recovery", lambda: {"node": 1, "step": 4}).message

@@ -1,5 +1,5 @@
 """Checks for chapter 8's exercises (learning-rate warm-up, atomic saves, the order of a mixed
-precision data-parallel step, SyncBatchNorm statistics).
+precision data-parallel step, SyncBatchNorm statistics, reading a recovery log).
 
 Chapter 8: exercise checks for training at scale.
 """
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcourse.ddp import ddp
+from dpcourse.harness.bench import elastic, recorded
 from dpcourse.harness.exercises.core import Mismatch, call_learner, exercise, run_learner_on_ranks
 from dpcourse.practice import lr_schedule
 from dpcourse.runtime import device
@@ -302,3 +303,50 @@ def syncbn_stats(fn: Callable) -> str:
         if problems:
             raise Mismatch(problems[0])
     return "the mean and variance of the whole batch on every rank, for uneven batches too"
+
+
+# ------------------------------------------------------------------------ ex-8-recovery
+@exercise("ex-8-recovery", function="my_recovery_reading", timeout=10)
+def recovery_reading(fn: Callable) -> str:
+    """``fn()`` returns ``{"node": <the node that failed>, "step": <the step the job resumed
+    from>}`` for the recovery log section 8.6 shows: node 0's output in the recorded elastic run
+    whose node 1 was killed (``benchmarks/cpu-2core/elastic.json``)."""
+    record = recorded("elastic")
+    if record is None:
+        raise Mismatch("the recorded elastic run (benchmarks/cpu-2core/elastic.json) is not "
+                       "here: check this exercise in a clone of the course's repository")
+    lines = elastic.recovery_log(record)
+    failed = int(record["kill"]["fault"].split(":")[0].split()[-1])  # "node 1: ..."
+    resumed = elastic.resumed_step(lines)
+    last = elastic.last_step_before_failure(lines)
+    got = call_learner(fn)
+    if not isinstance(got, dict) or set(got) != {"node", "step"}:
+        raise Mismatch(f'expected a dict {{"node": ..., "step": ...}}, got {got!r}')
+    node, step = got["node"], got["step"]
+    for name, value in (("node", node), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise Mismatch(f"the {name}: expected an int, got {value!r}")
+    if node != failed:
+        if node == 0:
+            raise Mismatch(
+                "node 0 printed this log, and it did not fail: its worker raised because the "
+                "peer it was all-reducing with went away, and its agent restarted it. The error "
+                "names that peer by its address; node i has the address ending in .(i+1)"
+            )
+        raise Mismatch(f"the cluster had nodes 0 and 1; the error names the peer's address, and "
+                       f"node i's address ends in .(i+1). Got node {node}")
+    if step != resumed:
+        if last is not None and step == last and last != resumed:
+            raise Mismatch(
+                f"step {last} was the last step logged before the failure, but no checkpoint "
+                f"kept it: the trainer saves every 4 steps and the restarted job starts from the "
+                f"newest checkpoint, so steps {resumed + 1} to {last} were done twice. Look for "
+                "the line 'resumed from ... at step N'"
+            )
+        if step == 0:
+            raise Mismatch("the job did not start over: the restarted workers found a "
+                           "checkpoint (the line 'resumed from ... at step N')")
+        raise Mismatch(f"step {step} is not where the job resumed: look for the line 'resumed "
+                       "from ... at step N' after the restart")
+    redone = f"; steps {resumed + 1} to {last} were done again" if last and last > resumed else ""
+    return f"node {failed} failed; the job resumed from the checkpoint of step {resumed}{redone}"
