@@ -99,9 +99,12 @@ def test_the_text_names_exercises_by_their_numbers():
                 bad.append(f"{page}: {label} is no exercise's label")
                 continue
             around = text[max(0, m.start() - 60): m.end() + 60]
-            if not (re.search(rf"\{{numref\}}`[^`]*{re.escape(label)}>?`", around)
+            if not (re.search(rf"\{{(?:num)?ref\}}`[^`]*{re.escape(label)}>?`", around)
                     or f"Exercise {exercise_numbers.NUMBERS[label]}" in around):
                 bad.append(f"{page}: {label} without its number ({{numref}}`{label}` shows it)")
+        # {ref} and {numref} to an exercise show "Exercise 11.2": not after the word again.
+        bad += [f"{page}: {m.group(0)!r} says 'Exercise' twice on the page"
+                for m in re.finditer(r"\b[Ee]xercises?\s+\{(?:num)?ref\}`[^`]+`", text)]
     assert not bad, "\n".join(bad)
 
 
@@ -115,6 +118,9 @@ def test_the_map_names_the_appendices_as_their_numbers_do():
 
 def test_the_numbers_catch_a_stray_number():
     """The prose test fails on the kinds of reference issue 34 found."""
+    doubled = re.compile(r"\b[Ee]xercises?\s+\{(?:num)?ref\}`[^`]+`")
+    assert doubled.search("Exercise\n{ref}`ex-5-rounds` asks") and not doubled.search(
+        "as {numref}`ex-5-rounds` asks")
     for stray in ("See Exercise 16.", "exercises 45-48", "as in ex-5-overlap above"):
         hits = [m.group(0) for m in NUMBERED.finditer(stray) if m.group(1).rstrip(".")
                 not in exercise_numbers.NUMBERS.values()]
