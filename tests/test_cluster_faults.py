@@ -16,7 +16,7 @@ import pytest
 
 from dpcourse.harness import cluster as cl
 from dpcourse.harness.cluster import ClusterUnavailable, EmulatedCluster
-from dpcourse.harness.launch import RankError, run_ranks
+from dpcourse.harness.launch import RankError, RankPool, run_ranks
 from dpcourse.harness.netns import leftovers, namespace_inode, processes_in
 
 try:
@@ -55,6 +55,9 @@ class Tracked:
 
     def __init__(self, nodes: int, timeout: float = TIMEOUT):
         self.cluster = EmulatedCluster(nodes, collective_timeout=timeout).start()
+        # The runs of a test share their ranks until one fails (the pool then starts fresh
+        # ones); the pool closes with the cluster.
+        RankPool(nodes, cluster=self.cluster).start(lazy=True)
         self.tag = self.cluster.tag
         self.namespaces = {namespace_inode(n.namespace) for n in self.cluster.nodes}
         self.pids: set[int] = set()
