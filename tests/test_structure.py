@@ -1,7 +1,8 @@
 """The package reads as the book: folders per part, lessons apart from the machinery, one map.
 
 (a) every module names its chapter on the last line of its docstring (``Chapter 7: ...``;
-chapter 0 is the course-wide runtime and machinery); (b) no lesson module imports a module of a
+chapter 0 is the course-wide runtime and machinery; ``Appendix: ...`` for the appendices, which
+come after every chapter); (b) no lesson module imports a module of a
 later chapter; (c) lesson code (everything outside ``dpcourse.harness``) never imports the
 machinery that runs and checks the course; (d) imports sit at the top of a module, except where
 a comment on the line (or the line above) says ``import here: <why>`` (a cycle, an optional
@@ -22,7 +23,8 @@ import pytest
 from dpcourse.harness import package_map
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dpcourse"
-CHAPTER = re.compile(r"^Chapter (\d+)\b")
+CHAPTER = re.compile(r"^(?:Chapter (\d+)|Appendix)\b")
+APPENDIX = 99  # the appendices (the lab, the bug hunt) come after every chapter
 HARNESS = "dpcourse.harness"
 IMPORT_HERE = "import here:"
 
@@ -41,7 +43,9 @@ def chapter_of(source: str) -> int | None:
     doc = ast.get_docstring(ast.parse(source)) or ""
     lines = doc.strip().splitlines()
     match = CHAPTER.match(lines[-1]) if lines else None
-    return int(match.group(1)) if match else None
+    if match is None:
+        return None
+    return int(match.group(1)) if match.group(1) else APPENDIX
 
 
 def is_lesson(name: str) -> bool:
@@ -261,15 +265,17 @@ def test_the_guard_sees_imports_at_any_depth():
 
 def chapter_table_names(text: str) -> list[str]:
     """The modules CONTRIBUTING.md's chapter table names in its last column ("`ddp` (`ddp`,
-    `checks`)" names dpcourse.ddp, dpcourse.ddp.ddp and dpcourse.ddp.checks)."""
+    `checks`)" names dpcourse.ddp, dpcourse.ddp.ddp and dpcourse.ddp.checks; words after a ";"
+    inside the brackets are prose)."""
     names = []
     for line in text.split("## The course", 1)[1].split("\n## ", 1)[0].splitlines():
         if not line.startswith("| ") or line.startswith(("| # ", "|---")):
             continue
         for match in re.finditer(r"`([\w.]+)`(?: \(([^)]*)\))?", line.rsplit(" | ", 1)[-1]):
             names.append(f"dpcourse.{match.group(1)}")
+            modules_listed = (match.group(2) or "").split(";")[0]  # after a ";": prose
             names += [f"dpcourse.{match.group(1)}.{inner}"
-                      for inner in re.findall(r"`([\w.]+)`", match.group(2) or "")]
+                      for inner in re.findall(r"`([\w.]+)`", modules_listed)]
     return names
 
 

@@ -4,5 +4,5 @@
 start ranks from :mod:`dpcourse.harness.runs`); :mod:`.bug_hunt_seed` is the buggy script and
 :mod:`.bug_hunt` its fixed twin.
 
-Chapter 11: the appendices on diagnosing and debugging data-parallel training.
+Appendix: the appendices on diagnosing and debugging data-parallel training (the lab, the bug hunt).
 """

@@ -21,7 +21,7 @@ The fixed pieces: :class:`Seq2Seq` (``batch_first=True``, key padding masks), :f
 :func:`train_fixed`, which gives the same weights on 2 ranks as in one process, with the Noam
 schedule scaled by :data:`NOAM_FACTOR` (the seed's scale peaks too high for this model to learn).
 
-Chapter 12: Appendix: find the bugs (the symptoms and the fixes).
+Appendix: find the bugs (the symptoms and the fixes).
 """
 
 from __future__ import annotations

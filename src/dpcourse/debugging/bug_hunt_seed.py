@@ -7,7 +7,7 @@ for the fixes, which live in :mod:`dpcourse.debugging.bug_hunt`.
 Do not copy from here. Run :func:`seed_main` on every rank (``run_ranks(seed_main, 2)``); it
 returns what it logged.
 
-Chapter 12: Appendix: find the bugs (the seed script, unfixed).
+Appendix: find the bugs (the seed script, unfixed).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ The lab's scenario (which rank, how long, which step) lives in the constants bel
 notebook's cells do not give the answer away; the exercises name the cause with the keys of
 :data:`CAUSES`.
 
-Chapter 11: Appendix: the diagnosis lab (diagnosing slow or hung training).
+Appendix: the diagnosis lab (diagnosing slow or hung training).
 """
 
 from __future__ import annotations

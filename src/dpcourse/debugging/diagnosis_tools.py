@@ -29,7 +29,7 @@ a new gloo group with a short timeout, made after the settings: the debug level 
 apply to the groups made after them, as they would from the start under ``torchrun`` with the
 variables set.
 
-Chapter 11: Appendix: the diagnosis lab (DETAIL checks, the flight recorder, device timing).
+Appendix: the diagnosis lab (DETAIL checks, the flight recorder, device timing).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ run (:func:`reproduce_hang`), step times beside all-reduce times
 (:func:`reproduce_small_buckets`), a bandwidth figure (:func:`measure_all_reduce`), and what
 PyTorch's own tools say on fresh ranks (:func:`reproduce_mismatch`, :func:`reproduce_skip`).
 
-Chapter 11: Appendix: the diagnosis lab (its runs on N ranks).
+Appendix: the diagnosis lab (its runs on N ranks).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ what they get wrong. The appendix's labels are ``ex-bugs-<slug>`` and its exerci
 Bugs.1 to Bugs.4 (:mod:`dpcourse.harness.exercises.numbering`), so that the grader, which finds a
 notebook's part from its labels, grades each appendix on its own exercises.
 
-Chapter 12: Appendix: find the bugs (exercise checks).
+Appendix: find the bugs (exercise checks).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ The appendix has no chapter number of its own: its labels are ``ex-lab-<slug>`` 
 exercises are numbered Lab.1 to Lab.4 (:mod:`dpcourse.harness.exercises.numbering`), which is
 what the grader, the registry's order and the checks' messages go by.
 
-Chapter 11: Appendix: the diagnosis lab (exercise checks).
+Appendix: the diagnosis lab (exercise checks).
 """
 
 from __future__ import annotations
