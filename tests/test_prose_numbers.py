@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -319,12 +320,24 @@ def test_every_key_the_text_quotes_is_glued_by_a_cell_both_editions_keep(path):
     )
 
 
+def cell_sources(nb: dict) -> list[tuple[str, str]]:
+    return [(c["cell_type"], source(c)) for c in nb["cells"]]
+
+
 def executed_copy(path: Path) -> Path:
+    """The executed copy of ``path``: skipped where there is none or it ran an older version of
+    the page (an error under ``DPCOURSE_REQUIRE_SITE``, as in ``make test``, which runs every
+    notebook first)."""
     copy = EXECUTED / path.name
+    problem = None
     if not copy.exists():
+        problem = f"no executed copy of {path.name} in {EXECUTED}"
+    elif cell_sources(load(copy)) != cell_sources(load(path)):
+        problem = f"{copy} ran an older version of {path.name}"
+    if problem:
         if os.environ.get("DPCOURSE_REQUIRE_SITE"):
-            raise AssertionError(f"{copy} is missing: `make notebooks` did not run {path.name}")
-        pytest.skip(f"no executed copy of {path.name} in {EXECUTED}: run `make notebooks`")
+            raise AssertionError(f"{problem}: `make notebooks` did not run the current page")
+        pytest.skip(f"{problem}: run `make notebooks`")
     return copy
 
 
@@ -404,3 +417,21 @@ def test_a_key_the_run_did_not_glue_and_a_printed_number_that_differs_are_found(
     nb = made_up("", outputs=[record, printed])
     assert prose.glued(nb) == {"saved": "13.4 ms"}
     assert "164 s" not in printed_text(nb) and "163.690 s" in printed_text(nb)
+
+
+def test_an_executed_copy_of_an_older_page_is_skipped_or_fails_under_make_test(
+    tmp_path, monkeypatch
+):
+    page, ran = tmp_path / "page.ipynb", tmp_path / "executed" / "page.ipynb"
+    ran.parent.mkdir()
+    page.write_text(json.dumps(made_up("Saved {glue:text}`saved`.")))
+    ran.write_text(json.dumps(made_up("Saved 8 to 12 ms.")))
+    monkeypatch.setattr(sys.modules[__name__], "EXECUTED", ran.parent)
+    monkeypatch.delenv("DPCOURSE_REQUIRE_SITE", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="older version"):
+        executed_copy(page)
+    monkeypatch.setenv("DPCOURSE_REQUIRE_SITE", "1")
+    with pytest.raises(AssertionError, match="older version"):
+        executed_copy(page)
+    ran.write_text(page.read_text())
+    assert executed_copy(page) == ran
