@@ -64,6 +64,35 @@ def test_describe_machine_matches_torch():
     assert f"(torch uses {m.threads} thread" in text
 
 
+def test_machine_line_says_in_one_line_what_the_summary_says(monkeypatch):
+    m = runtime.describe_machine()
+    line = m.line()
+    assert "\n" not in line and line.startswith(f"{m.cpus} CPU core")
+    assert f"(torch uses {m.threads} thread" in line and f"torch {m.torch_version}" in line
+    assert line.endswith(f"2 ranks use {runtime.choose_backend(2, len(m.gpus))}")
+    # A GPU machine, as describe_machine would see it: GPUs alike counted once, NCCL for 8 ranks
+    # (a GPU each), gloo for 9; a machine of two kinds of GPU names each kind.
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    node = runtime.Machine(
+        cpus=16, gpus=("NVIDIA H100 80GB HBM3",) * 8, gpu_memory_gib=(79.1,) * 8,
+        torch_version="2.11.0", cuda_version="12.8", threads=1,
+    )
+    assert node.line(8) == (
+        "8 GPUs (NVIDIA H100 80GB HBM3, 79 GiB), 16 CPU cores (torch uses 1 thread); "
+        "torch 2.11.0 (CUDA 12.8); 8 ranks use nccl"
+    )
+    assert node.line(9).endswith("9 ranks use gloo") and node.line(1).endswith("1 rank uses nccl")
+    mixed = runtime.Machine(
+        cpus=4, gpus=("Tesla T4", "Tesla T4", "Tesla P100"), gpu_memory_gib=(14.7, 14.7, 15.9),
+        torch_version="2.11.0", cuda_version="12.8", threads=4,
+    )
+    assert mixed.line().startswith(
+        "3 GPUs (2 x Tesla T4, 15 GiB; Tesla P100, 16 GiB), 4 CPU cores (torch uses 4 threads)"
+    )
+    with pytest.raises(ValueError, match="ranks must be at least 1"):
+        m.line(0)
+
+
 def test_current_outside_a_process_group_is_one_rank():
     info = runtime.current()
     assert (info.rank, info.world_size) == (0, 1)

@@ -20,6 +20,7 @@ import datetime
 import os
 import platform
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +50,8 @@ DEFAULT_PG_TIMEOUT = datetime.timedelta(minutes=5)
 
 @dataclass(frozen=True)
 class Machine:
-    """A summary of this machine, as chapter 0 shows it."""
+    """A summary of this machine: chapter 0 prints it whole (:meth:`summary`), the other chapters
+    in one line (:meth:`line`)."""
 
     cpus: int
     gpus: tuple[str, ...]
@@ -87,6 +89,32 @@ class Machine:
                 f"auto backend for 2 ranks: {choose_backend(2, len(self.gpus))}",
             ]
         )
+
+    def line(self, ranks: int = 2) -> str:
+        """This machine in one line, for a chapter's first cell (the introduction prints the whole
+        :meth:`summary`): the GPUs, the CPU cores and torch's threads, torch's build, and the
+        backend the course gives ``ranks`` ranks (:func:`choose_backend`). For example ``2 CPU
+        cores (torch uses 1 thread), no GPU; torch 2.13.0+cpu (CPU build); 2 ranks use gloo``."""
+        if ranks < 1:
+            raise ValueError(f"ranks must be at least 1, got {ranks}")
+        cores = f"{self.cpus} CPU core{'s' if self.cpus != 1 else ''} (torch uses {self.threads} "
+        cores += "thread)" if self.threads == 1 else "threads)"
+        if self.gpus:
+            # GPUs alike are counted together: "8 GPUs (NVIDIA H100 80GB HBM3, 79 GiB)"
+            kinds = Counter(
+                f"{name}, {mem:.0f} GiB"
+                for name, mem in zip(self.gpus, self.gpu_memory_gib, strict=True)
+            )
+            n = len(self.gpus)
+            gpus = "; ".join(kind if k == 1 or len(kinds) == 1 else f"{k} x {kind}"
+                             for kind, k in kinds.items())
+            where = f"{n} GPU{'s' if n > 1 else ''} ({gpus}), {cores}"
+        else:
+            where = f"{cores}, no GPU"
+        build = f"CUDA {self.cuda_version}" if self.cuda_version else "CPU build"
+        backend = choose_backend(ranks, len(self.gpus))
+        ranks_use = "1 rank uses" if ranks == 1 else f"{ranks} ranks use"
+        return f"{where}; torch {self.torch_version} ({build}); {ranks_use} {backend}"
 
     def __str__(self) -> str:
         return self.summary()
