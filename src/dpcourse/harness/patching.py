@@ -15,6 +15,7 @@ Chapter 0: the course-wide plumbing.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
@@ -25,18 +26,30 @@ from dpcourse.shared_gpu import replace
 @contextlib.contextmanager
 def replaced(wrappers: dict[str, Callable[[Callable], Callable]]) -> Iterator[None]:
     """Inside the block each function ``name`` of ``wrappers`` is ``wrappers[name](real)``;
-    the real ones are back afterwards, even after an exception."""
+    the real ones are back afterwards, even after an exception. A module first imported inside
+    the block that took a replacement by name (``from torch.distributed.distributed_c10d import
+    broadcast``: DTensor's, which the first optimizer a process makes imports, through
+    torch._dynamo) gets the real function back too; it would keep the replacement otherwise,
+    for the rest of the process (a pool's rank serves the next test)."""
     reals: dict[str, Callable] = {}
+    replacements: dict[str, Callable] = {}
+    before = set(sys.modules)
     try:
         for name, wrap in wrappers.items():
             real = getattr(dist.distributed_c10d, name, None)
             if real is not None:
                 reals[name] = real
-                replace(name, wrap(real))
+                replacements[name] = wrap(real)
+                replace(name, replacements[name])
         yield
     finally:
         for name, real in reals.items():
             replace(name, real)
+        for module_name in set(sys.modules) - before:
+            module = sys.modules.get(module_name)
+            for name, real in reals.items():
+                if getattr(module, name, None) is replacements[name]:
+                    setattr(module, name, real)
 
 
 # torch.distributed's collectives, which the course's own must never call (see
