@@ -197,6 +197,32 @@
                     + `"${short(table.textContent, 60)}"`);
     }
   }
+  // Text alternatives (issue 33): every image says something, neither nothing nor its file name
+  // nor a word like "image"; a figure a cell drew (an image in a cell's output: matplotlib's PNG,
+  // an animation's frame, a widget's drawing) says what it shows, in a sentence. Checked now, when
+  // the widgets have drawn their images. An image hidden from assistive technology is not read.
+  const placeholder = new RegExp('^(images?|img|figures?|fig|plots?|graphs?|charts?|pictures?|' +
+    'diagrams?|animation|png|output|untitled|alt|none|todo|matplotlib figure|<figure size[^>]*>)$', 'i');
+  const fileName = /\.(png|jpe?g|gif|svg|webp)\b|^data:|_images\//i;
+  counts.figures = 0;
+  for (const img of document.images) {
+    if (img.closest('[aria-hidden="true"]')) continue;
+    const figure = !!img.closest('.cell_output, div.animation');
+    counts.figures += figure;
+    const src = img.getAttribute('src') || '';
+    const which = `${figure ? 'a figure' : 'an image'} (${src.startsWith('data:')
+      ? (img.id || 'drawn from data: ' + short(img.closest('.cell_output, div.animation')?.textContent, 30))
+      : short(src, 70)})`;
+    const alt = (img.getAttribute('alt') || '').replace(/\s+/g, ' ').trim();
+    if (!alt) {
+      problems.push(`${which} has no alt text`);
+    } else if (placeholder.test(alt) || fileName.test(alt)) {
+      problems.push(`${which} has a placeholder for alt text: "${short(alt, 60)}"`);
+    } else if (figure && alt.split(' ').length < 8) {
+      problems.push(`${which}: its alt text is too short to say what it shows: "${alt}"`);
+    }
+  }
+
   // The page's buttons (issue 33): a chapter written as a notebook offers the notebook for
   // download (tests/test_site.py checks the file is there: file:// pages cannot fetch); launch buttons (Colab, Binder, a JupyterHub: only where
   // _config.yml names the repository) open this book's notebook, never Jupyter Book's own.

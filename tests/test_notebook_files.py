@@ -6,6 +6,7 @@ and cells without ids make nbformat warn (and, from nbformat 6, fail) on every r
 
 import importlib.util
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -88,3 +89,27 @@ def test_install_cell_installs_from_the_repository_without_torch(monkeypatch):
     assert package[-2:] == ["--no-deps", f"dpcourse @ git+{url}"]  # torch stays as it is
     assert needs[-2:] == ["cloudpickle", "numpy"]
     assert "torch" not in tool.needs() and "numpy" in tool.needs()
+
+
+# A cell that draws: a matplotlib figure shown, an animation, a widget that draws figures.
+DRAWS = re.compile(r"plt\.show\(\)|\.to_jshtml\(|_explorer\(")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_figure_has_alt_text(path):
+    """Issue 33: each cell that draws says what it draws, in its metadata, for readers who do not
+    see the figure: `"mystnb": {"image": {"alt": "..."}}` (myst-nb writes it into the figure's
+    <img>; _ext/accessible_site.py into animations and widgets). tests/test_browser.py checks the
+    built pages; this also covers cells that draw only on some machines (a GPU's)."""
+    raw = json.loads(path.read_text())
+    missing = []
+    for i, cell in enumerate(raw["cells"]):
+        if cell["cell_type"] != "code" or not DRAWS.search("".join(cell["source"])):
+            continue
+        alt = cell["metadata"].get("mystnb", {}).get("image", {}).get("alt", "")
+        if len(alt.split()) < 8:
+            missing.append(f"cell {i} (id {cell['id']}): alt {alt!r}")
+    assert not missing, (
+        f"{path.name}: cells that draw without alt text saying what they show (add "
+        '"mystnb": {"image": {"alt": "..."}} to the cell\'s metadata):\n' + "\n".join(missing)
+    )
