@@ -12,7 +12,7 @@ interleaved, the slowest rank's time, medians; and a step of the model alone, wi
 communication (its compute). Each step's bytes are counted per link (to a rank of the same node
 or of another). The model: that compute plus :func:`dpcourse.sharding.hsdp.step_comm_time`
 with each link's latency and bandwidth measured by ping-pong messages (the bandwidth fitted on
-1 to 4 MiB, the latency a 4 KiB message's one-way time), for the emulated nodes (one network
+1 MiB and more, the latency a 4 KiB message's one-way time), for the emulated nodes (one network
 link that a node's ranks share) and for DGX-style ones (a card per GPU). Needs root (or
 CAP_NET_ADMIN).
 
@@ -82,13 +82,16 @@ def _link_bytes(traffic, ranks_per_node: int) -> dict[str, int]:
     return sent
 
 
-def _link(cluster, peer: int) -> tuple[float, float]:
+def _link(cluster, peer: int, inside: bool) -> tuple[float, float]:
     """(alpha, beta) of the link from rank 0 to rank ``peer``: beta fitted on ping-pong messages
-    of 1 to 4 MiB, alpha the one-way time of a 4 KiB message. (The fit's own alpha, what the
-    smallest message took beyond its bytes at beta, is about 0 on a shaped link: tbf lets a
-    message smaller than its bucket through at once. The 4 KiB message's time is the fixed cost
-    a message pays here: the software's, and waiting for a core on a busy machine.)"""
-    _, beta, sizes, one_way = fit_link_on_cluster(cluster, [2**16, 2**18, 2**20], peer=peer)
+    of 1 MiB and more (up to 4 MiB across nodes, 16 MiB inside one, whose loopback moves 4 MiB in
+    about a millisecond, as long as a wait for a core), alpha the one-way time of a 4 KiB
+    message. (The fit's own alpha, what the smallest message took beyond its bytes at beta, is
+    about 0 on a shaped link: tbf lets a message smaller than its bucket through at once. The
+    4 KiB message's time is the fixed cost a message pays here: the software's, and waiting for
+    a core on a busy machine.)"""
+    sizes = [2**20, 2**22, 2**23, 2**24] if inside else [2**16, 2**18, 2**20]
+    _, beta, sizes, one_way = fit_link_on_cluster(cluster, sizes, peer=peer)
     return one_way[sizes.index(2**12)], beta
 
 
@@ -146,7 +149,7 @@ def measure_rate(rate: str, nodes: int = 2, ranks_per_node: int = 2,
     """One link rate: fit both links, time the three strategies, model them."""
     k, world = ranks_per_node, nodes * ranks_per_node
     with EmulatedCluster(nodes, k, link=rate, node_link=node_link) as cluster:
-        inter, intra = (_link(cluster, peer) for peer in (k, 1))
+        inter, intra = _link(cluster, k, inside=False), _link(cluster, 1, inside=True)
         per_rank = run_ranks(steps_on_rank, world, k, width, layers, batch, steps, warmup,
                              cluster=cluster, timeout=1800)
     across = {s: [sum(r["sent"][s]["across"] for r in per_rank[n * k:(n + 1) * k])
