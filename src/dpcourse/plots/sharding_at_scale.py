@@ -29,7 +29,7 @@ def plot_knobs(results: Mapping[str, Mapping[str, Mapping]], title: str) -> Figu
     names = list(results)
     metrics = (("sent", "sent per step (MiB)"), ("forward", "held after forward (MiB)"),
                ("peak", "peak above the step's start (MiB)"))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 0.42 * len(names) + 1.6), sharey=True,
+    fig, axes = plt.subplots(1, 3, figsize=(8.4, 0.4 * len(names) + 1.8), sharey=True,
                              layout="constrained")
     y = np.arange(len(names))
     for ax, (key, label) in zip(axes, metrics, strict=True):
@@ -37,11 +37,12 @@ def plot_knobs(results: Mapping[str, Mapping[str, Mapping]], title: str) -> Figu
                                      (0.2, "fully_shard", "tab:purple")):
             values = [results[n][impl][key] / 2**20 for n in names]
             ax.barh(y + offset, values, height=0.38, color=colour, label=impl)
-        ax.set(xlabel=label)
+        ax.set_xlabel(label, fontsize=9)
+        ax.tick_params(labelsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(y, names)
     axes[0].invert_yaxis()
-    axes[0].legend(fontsize=8, loc="lower right")
+    axes[0].legend(fontsize=9, loc="lower right")
     fig.suptitle(title, fontsize=10)
     return fig
 
@@ -52,7 +53,7 @@ def plot_strategies(runs: Sequence[Mapping], curves: Mapping[str, Mapping[str, S
     of :func:`dpcourse.harness.bench.hsdp.measure_strategies`) as points, and ``curves``
     (``{"emulated": {strategy: seconds at each of rates_bits}, ...}``, the model) as lines,
     solid for the first view and dashed for the others. Log-log. Chapter 11."""
-    fig, ax = plt.subplots(figsize=(7.5, 4.4), layout="constrained")
+    fig, ax = plt.subplots(figsize=(8.4, 5.6), layout="constrained")
     mbit = np.asarray(rates_bits) / 1e6
     for v, (view, by_strategy) in enumerate(curves.items()):
         for s, seconds in by_strategy.items():
@@ -67,7 +68,8 @@ def plot_strategies(runs: Sequence[Mapping], curves: Mapping[str, Mapping[str, S
     ax.plot([r["rate_bits"] / 1e6 for r in runs], compute, "x", color="grey",
             label="the model alone (compute)")
     ax.set(xscale="log", yscale="log", xlabel="link between nodes (Mbit/s)",
-           ylabel="step time (ms)", title=title)
+           ylabel="step time (ms)")
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, ncol=2)
+    fig.legend(fontsize=9, ncol=3, loc="outside lower center")
     return fig
