@@ -177,7 +177,8 @@ def test_strip_solution_code_keeps_the_signature():
     src = "def f(x):\n    '''doc'''\n    # BEGIN SOLUTION\n    return x + 1\n    # END SOLUTION\n"
     out = strip_solution_code(src, "ex-3-chunk")
     assert "return x + 1" not in out and out.startswith("def f(x):")
-    assert 'raise NotImplementedError("Exercise ex-3-chunk: write your solution here")' in out
+    # the stub names the exercise as its heading does (ex-3-chunk is Exercise 3.1)
+    assert 'raise NotImplementedError("Exercise 3.1: write your solution here")' in out
     with pytest.raises(ValueError, match="without"):
         strip_solution_code("# BEGIN SOLUTION\nx = 1\n")
 
