@@ -39,6 +39,7 @@ NUMBERS: dict[str, str] = {
     'ex-8-amp': '8.3',
     'ex-8-syncbn': '8.4',
     'ex-8-resume': '8.5',
+    'ex-8-recovery': '8.6',
     'ex-9-shard-bounds': '9.1',
     'ex-9-memory': '9.2',
     'ex-9-sharded-step': '9.3',
