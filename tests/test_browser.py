@@ -525,7 +525,11 @@ def _fixture_notebook(path: Path) -> None:
     fig.savefig(png, format="png")
     alt = {key: {"mystnb": {"image": {"alt": text}}} for key, text in FIXTURE_ALT.items()}
     nb.cells = [
-        nbformat.v4.new_markdown_cell("# Fixture\n\nA formula: $\\sum_{r=0}^{N-1} g_r / N$."),
+        nbformat.v4.new_markdown_cell(
+            "# Fixture\n\nA formula: $\\sum_{r=0}^{N-1} g_r / N$.\n\n"
+            # a link on an exercise's tinted box, whose colour _ext/static/course.css darkens
+            ":::{exercise}\n:label: ex-fixture\n\nRead [the reference](https://example.org/).\n:::\n"
+        ),
         nbformat.v4.new_code_cell(  # every kind of token a chapter's code has, for axe's contrast
             CODE_TOKENS,
             outputs=[out("stream", name="stdout", text="rank 0: 1.0\nrank 1: 2.0\n")],
