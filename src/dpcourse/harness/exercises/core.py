@@ -126,10 +126,12 @@ class CheckResult:
 
     def html(self) -> str:
         colour = {"passed": "#1a7f37", "not attempted": "#6e7781"}.get(self.status, "#cf222e")
+        head, rest = self.text().split(":", 1)
         return (
             f'<div style="border-left:4px solid {colour};padding:4px 10px;margin:4px 0">'
-            f'<b style="color:{colour}">{html.escape(self.text().split(":", 1)[0])}</b>: '
-            f'<span style="white-space:pre-wrap">{html.escape(self.text().split(":", 1)[1])}'
+            f'<b style="color:{colour}">{html.escape(head)}</b>: '
+            # one space after the colon: the message's own would show twice (pre-wrap)
+            f'<span style="white-space:pre-wrap">{html.escape(rest.lstrip())}'
             "</span></div>"
         )
 
