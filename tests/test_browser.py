@@ -528,7 +528,8 @@ def _fixture_notebook(path: Path) -> None:
         nbformat.v4.new_markdown_cell(
             "# Fixture\n\nA formula: $\\sum_{r=0}^{N-1} g_r / N$.\n\n"
             # a link on an exercise's tinted box, whose colour _ext/static/course.css darkens
-            ":::{exercise}\n:label: ex-fixture\n\nRead [the reference](https://example.org/).\n:::\n"
+            # (a real label, Exercise 1.1 as on its page: the book refuses any other)
+            ":::{exercise}\n:label: ex-1-batch\n\nRead [the reference](https://example.org/).\n:::\n"
         ),
         nbformat.v4.new_code_cell(  # every kind of token a chapter's code has, for axe's contrast
             CODE_TOKENS,
