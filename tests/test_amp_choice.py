@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dpcourse import runtime
 from dpcourse.practice import mixed_precision, train
 from dpcourse.practice.mixed_precision import choose_amp
 
@@ -55,5 +56,6 @@ def test_the_trainer_uses_it_for_amp_auto(capsys):
     out = train.main(["--strategy", "single", "--amp", "auto", "--steps", "2", "--batch-size",
                       "8", "--num-samples", "64", "--log-every", "1"])
     assert len(out["losses"]) == 2
-    reason = mixed_precision.choose_amp(torch.device("cpu")).reason
+    # the trainer's one rank runs on runtime.device(): cuda:0 where there is a GPU
+    reason = mixed_precision.choose_amp(runtime.device()).reason
     assert f"--amp auto: {reason}" in capsys.readouterr().out

@@ -62,17 +62,25 @@ def test_requirements_pins_lie_within_pyprojects_ranges():
 
 
 def runtime_closure(names: list[str]) -> list[metadata.Distribution]:
-    """The installed distributions that ``names`` need at run time (no extras), recursively."""
+    """The installed distributions that ``names`` need at run time, recursively, with the extras
+    that a requirement names (a CUDA build of torch needs ``cuda-toolkit[cudart, ...]``, whose
+    runtime libraries are its extras' requirements)."""
     seen: dict[str, metadata.Distribution] = {}
+    done: set[tuple[str, str]] = set()  # (distribution, extra) whose requirements were queued
     todo = [Requirement(n) for n in names]
     while todo:
         req = todo.pop()
-        if req.marker and not req.marker.evaluate({"extra": ""}):
-            continue
         key = canonicalize_name(req.name)
         if key not in seen:
             seen[key] = metadata.distribution(req.name)
-            todo += [Requirement(r) for r in seen[key].requires or []]
+        for extra in ("", *sorted(req.extras)):
+            if (key, extra) in done:
+                continue
+            done.add((key, extra))
+            for text in seen[key].requires or []:
+                need = Requirement(text)
+                if need.marker is None or need.marker.evaluate({"extra": extra}):
+                    todo.append(need)  # a distribution met twice is looked up once (seen)
     return list(seen.values())
 
 

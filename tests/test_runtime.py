@@ -67,7 +67,10 @@ def test_describe_machine_matches_torch():
 def test_machine_line_says_in_one_line_what_the_summary_says(monkeypatch):
     m = runtime.describe_machine()
     line = m.line()
-    assert "\n" not in line and line.startswith(f"{m.cpus} CPU core")
+    cores = f"{m.cpus} CPU core"
+    assert "\n" not in line and cores in line
+    # the GPUs first where there are any ("1 GPU (NVIDIA H200, 140 GiB), 16 CPU cores ...")
+    assert line.startswith(f"{len(m.gpus)} GPU" if m.gpus else cores)
     assert f"(torch uses {m.threads} thread" in line and f"torch {m.torch_version}" in line
     assert line.endswith(f"2 ranks use {runtime.choose_backend(2, len(m.gpus))}")
     # A GPU machine, as describe_machine would see it: GPUs alike counted once, NCCL for 8 ranks

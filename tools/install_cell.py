@@ -24,10 +24,14 @@ import argparse
 import json
 import re
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import yaml
+
+try:
+    import tomllib  # Python 3.11 and later
+except ModuleNotFoundError:  # 3.10: the copy pip vendors
+    from pip._vendor import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 CELL_ID = "install-dpcourse"
@@ -63,9 +67,10 @@ def repository() -> str:
 
 
 def needs() -> list[str]:
-    """The package's runtime needs other than torch, by name (`pyproject.toml`'s dependencies,
-    as the installed package's metadata has them: no extras)."""
-    requires = [dep for dep in metadata.requires("dpcourse") or [] if "extra ==" not in dep]
+    """The package's runtime needs other than torch, by name: `pyproject.toml`'s dependencies (no
+    extras), read from the file, so that this also works where dpcourse is not installed but put
+    on PYTHONPATH (make gpu-check on a machine without the network)."""
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     names = [re.split(r"[\s<>=!~;\[(]", dep, maxsplit=1)[0] for dep in requires]
     return [name for name in names if name != "torch"]
 
