@@ -44,6 +44,9 @@ NBXDIST = $(if $(filter 0,$(NOTEBOOK_JOBS)),,-n $(NOTEBOOK_JOBS) --dist loadfile
 # their own threads (dpcourse.harness.launch); THREADS= (empty) leaves torch's default.
 THREADS ?= 1
 OMP = $(if $(THREADS),OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS),)
+# The kernels that execute the notebooks for the website record each figure's smallest text in its
+# PNG (tools/notebook_startup.py), for the browser test's check of the text's size on the page.
+STARTUP = PYTHONSTARTUP=$(CURDIR)/tools/notebook_startup.py
 # This machine sets PYTHONDONTWRITEBYTECODE=1: every new interpreter (a kernel, a fork server, a
 # torchrun worker, a test's subprocess) would compile the course's modules again, 0.7 s each for
 # dpcourse's main modules here, and a run starts a few hundred. An empty value lets Python cache
@@ -73,7 +76,7 @@ vendor:
 
 book: $(STAMP) vendor
 	@rm -rf _build/html/reports
-	DPCOURSE_CHECKS_STRICT=1 $(BIN)/jupyter-book build . --all -W --keep-going || { \
+	$(STARTUP) DPCOURSE_CHECKS_STRICT=1 $(BIN)/jupyter-book build . --all -W --keep-going || { \
 	  echo "The book did not build: see the WARNINGs above (a failing cell's traceback is"; \
 	  echo "printed there and saved under _build/html/reports/)."; exit 1; }
 	@echo "Open _build/html/index.html in a browser."
@@ -82,8 +85,8 @@ book: $(STAMP) vendor
 # outputs in _build/executed/, and a notebook whose cells raised gets a .err.log beside it.
 notebooks: $(STAMP)
 	@rm -rf $(EXECUTED)
-	$(OMP) DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python -m pytest chapters $(NBVAL) \
-	  $(NBXDIST) --executed-dir=$(EXECUTED) $(PYTEST_ARGS)
+	$(OMP) $(STARTUP) DPCOURSE_CHECKS_STRICT=1 DPCOURSE_KEEP_RANKS=8 $(BIN)/python -m pytest chapters \
+	  $(NBVAL) $(NBXDIST) --executed-dir=$(EXECUTED) $(PYTEST_ARGS)
 test-notebooks: notebooks
 
 $(EXECUTED)/chapters: $(wildcard chapters/*.ipynb) $(shell find src -name '*.py')

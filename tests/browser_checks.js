@@ -154,6 +154,56 @@
     problems.push(`TeX left unrendered in the text (${leftovers.length}x), e.g. "${leftovers[0]}"`);
   }
 
+  // Display equations fit their column (issue 34). MathJax 3 sets a display equation on one line
+  // however long it is; the theme lets the box around it scroll sideways (the scroll bar hidden
+  // until touched) or the formula spills past the column, and a reader sees it stop mid-word
+  // (9.1's once ended at "(master weights, mome"). Measured once MathJax has typeset the page.
+  const texOf = (el) => {
+    try {
+      const items = window.MathJax.startup.document.getMathItemsWithin(el);
+      if (items.length && items[0].math) return items[0].math;
+    } catch (e) { /* the text as shown, below */ }
+    return el.textContent;
+  };
+  counts.display_equations = 0;
+  for (const eq of document.querySelectorAll('mjx-container[display="true"]')) {
+    const math = eq.querySelector('mjx-math');
+    if (!math || eq.getBoundingClientRect().width === 0) continue;  // in a closed fold
+    counts.display_equations += 1;
+    const holder = eq.closest('div.math') || eq;
+    const column = (eq.closest('article') || document.body).getBoundingClientRect();
+    const box = holder.getBoundingClientRect();
+    const drawn = math.getBoundingClientRect();
+    const past = Math.max(
+      holder.scrollWidth - holder.clientWidth,  // scrolls sideways, or is clipped
+      eq.scrollWidth - eq.clientWidth,
+      drawn.right - Math.min(box.right, column.right),  // spills past its box or the column
+      Math.max(box.left, column.left) - drawn.left,
+    );
+    if (past > 1) {
+      problems.push(`a display equation is cut off: ${Math.round(past)} px of it lie past its ` +
+                    `column (${Math.round(drawn.width)} px wide in ${Math.round(box.width)}): ` +
+                    `"${short(texOf(eq), 70)}"`);
+    }
+  }
+
+  // Figures as they show (issue 34): every cell's image and each animation's frame, with the
+  // width it is drawn at. tests/test_browser.py reads the PNG's smallest text and resolution
+  // (recorded by dpcourse.harness.figure_text when the notebooks ran) and works out the size of
+  // that text on the page. A figure in a closed fold is not drawn and not measured.
+  const figures = [];
+  for (const img of document.images) {
+    if (!img.closest('.cell_output, div.animation')) continue;
+    const width = img.getBoundingClientRect().width;
+    if (width === 0 || !img.complete || img.naturalWidth === 0) continue;
+    const src = img.currentSrc || img.src;
+    figures.push({
+      src: src.startsWith('data:') ? src.slice(0, 4000) : src,  // PNG's metadata comes first
+      shown: width,
+      what: img.id || short(img.getAttribute('alt'), 60) || short(src, 60),
+    });
+  }
+
   // Fonts the page asked for (MathJax's, the theme's icons, the widgets') have loaded.
   await timeout(document.fonts.ready, 10000);
   for (const font of document.fonts) {
@@ -238,5 +288,5 @@
   if (!notebook && document.querySelector('div.cell')) {
     problems.push('a page with code cells offers no notebook to download');
   }
-  return {problems, counts, ms: Date.now() - start};
+  return {problems, counts, figures, ms: Date.now() - start};
 })

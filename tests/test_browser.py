@@ -13,6 +13,10 @@ network fails. On each page:
 * the browser tab names the course;
 * every image has a text alternative that says something (not a file name or "image"), and a
   figure's (a cell's image output, an animation) says what it shows (browser_checks.js);
+* no display equation runs past its column (cut off, or scrolling sideways), and no figure shows
+  its smallest text under MIN_FIGURE_TEXT_PX: the size its notebook's kernel recorded in the PNG
+  (dpcourse.harness.figure_text), times the scale the page draws the PNG at; every figure's
+  measurement is written to _build/browser-test/figure-text.json;
 * axe-core (vendored by tools/vendor_assets.sh) finds no serious or critical violation of the
   WCAG 2.0-2.2 A and AA rules or axe's best practices (AXE_OPTIONS) on a page of the book website
   (and of the student website with DPCOURSE_AXE_STUDENT=1); rules turned off are in AXE_RULES_OFF,
@@ -39,9 +43,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 import pytest
 import yaml
+
+from dpcourse.harness import figure_text
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML = ROOT / "_build" / "html"
@@ -369,6 +376,52 @@ def axe_problems(axe: dict) -> list[str]:
     return problems
 
 
+# The smallest text a figure may show on the page, in CSS pixels (the test's window is 1300 px
+# wide, a laptop's, at a device pixel ratio of 1). The page's text is 16 px; 9 px is a little over
+# half of it, about where a printed figure's 6-7 pt labels stand beside 11 pt text. The course
+# draws no text under 9 pt, 12.5 px in the PNG at the notebooks' 100 dpi, so a figure may be shown
+# at down to 72 % of its size; chapter 6's two-panel figures, once shown at about 60 % with 8-9 pt
+# labels, put them at 6-7 px.
+MIN_FIGURE_TEXT_PX = 9.0
+
+
+def figure_text_problems(figures: list[dict]) -> tuple[list[str], list[dict]]:
+    """The figures (as browser_checks.js lists them: src, shown width, what) whose smallest text
+    shows under MIN_FIGURE_TEXT_PX, or that do not record it; and each figure's measurement."""
+    problems, measured = [], []
+    for fig in figures:
+        src = fig["src"]
+        if src.startswith("data:"):
+            png = src
+        elif src.startswith("file:"):
+            png = Path(unquote(urlparse(src).path)).read_bytes()
+        else:
+            problems.append(f"a figure is not part of the site: {src[:80]}")
+            continue
+        text = figure_text.read(png)
+        if text.smallest_px is None or not text.width:
+            problems.append(
+                f"a figure does not record its smallest text ({fig['what']}): its notebook ran "
+                "without tools/notebook_startup.py (make notebooks names it in PYTHONSTARTUP)"
+            )
+            continue
+        scale = fig["shown"] / text.width
+        px = text.smallest_px * scale
+        measured.append({"figure": fig["what"], "pt": text.smallest_pt, "dpi": text.dpi,
+                         "width": text.width, "shown": round(fig["shown"]), "px": round(px, 2)})
+        if px < MIN_FIGURE_TEXT_PX - 0.05:
+            problems.append(
+                f"a figure's smallest text shows at {px:.1f} px, under {MIN_FIGURE_TEXT_PX:g} px: "
+                f"{text.smallest_pt:g} pt at {text.dpi:g} dpi, the figure {text.width} px wide "
+                f"shown at {scale:.0%} ({fig['what']})"
+            )
+    return problems, measured
+
+
+# Every page's figures, measured: written to figure-text.json beside axe.json.
+FIGURE_TEXT: dict[str, list[dict]] = {}
+
+
 def check_page(
     browser: Chromium, url: str, record: str | None = None, axe: bool = True, fold_code=True
 ) -> tuple[list[str], dict]:
@@ -379,12 +432,16 @@ def check_page(
     axe = run_axe(browser, fold_code) if axe else {"violations": []}
     browser.evaluate("0")  # let the events logged until now arrive
     problems = list(result["problems"])
+    small, measured = figure_text_problems(result["figures"])
+    problems += small
     problems += axe_problems(axe)
     problems += [f"tried to reach the network: {u}" for u in dict.fromkeys(browser.blocked)]
     problems += browser.console_errors()
     counts = dict(result["counts"], axe_violations=len(axe["violations"]))
     if record and "ms" in axe:
         AXE_RESULTS[record] = {"checks_ms": result["ms"], **axe}
+    if record and measured:
+        FIGURE_TEXT[record] = measured
     return problems, counts
 
 
@@ -409,6 +466,10 @@ def browser(tmp_path_factory):
             "pages": dict(sorted(AXE_RESULTS.items())),
         }
         (SCREENSHOTS / "axe.json").write_text(json.dumps(report, indent=1) + "\n")
+    if FIGURE_TEXT:
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        report = {"min_px": MIN_FIGURE_TEXT_PX, "pages": dict(sorted(FIGURE_TEXT.items()))}
+        (SCREENSHOTS / "figure-text.json").write_text(json.dumps(report, indent=1) + "\n")
 
 
 def page_params(site: Path, label: str) -> list:
@@ -499,13 +560,21 @@ def _fixture_notebook(path: Path) -> None:
     from matplotlib.animation import FuncAnimation
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(3, 2), dpi=40)
+    # At the notebooks' 100 dpi, its 10 pt tick labels 13.9 px in the PNG, shown at full size.
+    fig = Figure(figsize=(3, 2), dpi=100)
     ax = fig.add_subplot()
     (line,) = ax.plot([0, 1], [0, 0])
     ax.set_ylim(0, 3)
     anim = FuncAnimation(fig, lambda i: line.set_ydata([0, i]), frames=3, interval=100)
-    # As a chapter shows it. Its link to Font Awesome on a CDN is dropped by _ext/offline_site.py.
-    animation = anim.to_jshtml()
+    figure_text.install()  # the PNGs record their smallest text, as in the notebooks' kernels
+    try:
+        # As a chapter shows it. Its link to Font Awesome on a CDN is dropped by
+        # _ext/offline_site.py.
+        animation = anim.to_jshtml()
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+    finally:
+        figure_text.uninstall()
     assert "font-awesome" in animation
     slider = ipywidgets.IntSlider(value=4, min=1, max=8, description="ranks $N$")
     button = ipywidgets.Button(description="all-reduce", icon="check")  # icons need fonts
@@ -521,12 +590,11 @@ def _fixture_notebook(path: Path) -> None:
     nb.metadata["language_info"] = {"name": "python"}
     nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": widgets["manager_state"]}
     view = widgets["view_specs"][0]
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
     alt = {key: {"mystnb": {"image": {"alt": text}}} for key, text in FIXTURE_ALT.items()}
     nb.cells = [
         nbformat.v4.new_markdown_cell(
-            "# Fixture\n\nA formula: $\\sum_{r=0}^{N-1} g_r / N$.\n\n"
+            "# Fixture\n\nA formula: $\\sum_{r=0}^{N-1} g_r / N$, and one on its own line:\n\n"
+            "$$\\bar g = \\frac{1}{N} \\sum_{r=0}^{N-1} g_r$$\n\n"
             # a link on an exercise's tinted box, whose colour _ext/static/course.css darkens
             # (a real label, Exercise 1.1 as on its page: the book refuses any other)
             ":::{exercise}\n:label: ex-1-batch\n\nRead [the reference](https://example.org/).\n:::\n"
@@ -627,6 +695,28 @@ def _figures_with_bad_alt(html: str) -> str:
     return re.sub(r'(<img id="_anim_img\w+") alt="[^"]*"', r'\1 alt="animation"', html)
 
 
+# 9.1's equation as it was until issue 34, on one line: on the page at 1300 px it stopped at
+# "(master weights, mome".
+LONG_EQUATION = (
+    r"\underbrace{2\Psi}_{\text{fp16 weights}} + \underbrace{2\Psi}_{\text{fp16 gradients}}"
+    r" + \underbrace{K\Psi}_{\text{optimizer}}, \qquad K = 4 + 4 + 4 = 12"
+    r"\text{ (master weights, momentum, variance)},"
+)
+
+
+def _png_without_record() -> str:
+    """A data: URI of a figure saved where figure_text is not installed (no text size in it)."""
+    import io
+
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(3, 2), dpi=100)
+    fig.add_subplot().plot([0, 1], [1, 0])
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
 BREAKAGES = {
     "MathJax removed": (
         lambda h: re.sub(r'<script[^>]*src="[^"]*mathjax/tex-mml-chtml\.js[^"]*"></script>', "", h),
@@ -681,6 +771,31 @@ BREAKAGES = {
         lambda h: _break(h, "<h1>", r"<p>single dollars: $\alpha$</p><h1>"),
         "TeX left unrendered",
     ),
+    "a display equation wider than its column": (
+        lambda h: _break(
+            h,
+            '<article class="bd-article">',
+            '<article class="bd-article"><div class="math notranslate nohighlight">\\['
+            + LONG_EQUATION + "\\]</div>",
+        ),
+        "a display equation is cut off",
+    ),
+    # the figure drawn at 140 px of its 300: its 10 pt (13.9 px) tick labels at 6.5 px; and a
+    # figure whose PNG does not say how small its text is
+    "figure text too small on the page": (
+        lambda h: _break(
+            re.sub(r'(<img[^>]* alt="A line chart[^"]*")', r'\1 style="width: 140px"', h, count=1),
+            '<article class="bd-article">',
+            f'<article class="bd-article"><div class="cell_output"><img src="'
+            f'{_png_without_record()}" alt="A line falling from 1 to 0 across the whole chart, '
+            'with no labels"></div>',
+        ),
+        (
+            "a figure's smallest text shows at 6.5 px, under 9 px: 10 pt at 100 dpi, the figure "
+            "300 px wide shown at 47%",
+            "a figure does not record its smallest text",
+        ),
+    ),
     # Several breakages of one kind on one page (each page opened costs the test a second or so).
     "figures without a proper alt text": (
         lambda h: _figures_with_bad_alt(h),
@@ -717,7 +832,7 @@ def test_the_checks_pass_on_a_page_with_an_animation_and_a_widget(browser, fixtu
     if problems:
         fail_with_screenshot(browser, "fixture", problems)
     assert counts["animations"] == 1 and counts["widgets"] == 1 and counts["formulas"] >= 1, counts
-    assert counts["figures"] == 2, counts
+    assert counts["figures"] == 2 and counts["display_equations"] == 1, counts
     # The alt text of the cells' metadata, on the figure (myst-nb) and the animation's frame
     # (_ext/accessible_site.py); the widget's slider is named by its label.
     named = browser.evaluate(

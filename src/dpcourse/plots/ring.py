@@ -13,6 +13,7 @@ Chapter 6: the ring all-reduce animated, and the bytes each rank sends.
 from __future__ import annotations
 
 import json
+import textwrap
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -165,7 +166,10 @@ def draw_ring_frame(frame: RingFrame, ax: plt.Axes | None = None) -> plt.Axes:
         ax.text(c * 1.25 + w / 2, h + 0.25, f"chunk {c}", ha="center", fontsize=9)
     ax.set_xlim(-1.4, world * 1.25 + 0.3)
     ax.set_ylim(-(world - 1) - 0.4, h + 0.6)
-    ax.set_title(frame.caption, fontsize=10)
+    # The caption wraps to the figure's width (a 10 pt character is about 6 points wide): on one
+    # line the longest, 104 characters, ran past both edges of the 4-rank animation's frames.
+    chars = int(ax.figure.get_figwidth() * 72 / 6)
+    ax.set_title(textwrap.fill(frame.caption, chars), fontsize=10)
     ax.axis("off")
     return ax
 
