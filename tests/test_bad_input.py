@@ -229,6 +229,8 @@ def mistakes_on_rank() -> dict[str, tuple[str, str]]:
             lambda: FSDP(nn.Linear(2, 2), compute_dtype="fp8"),
         "FSDP: reshard_after_forward as fully_shard's int":
             lambda: FSDP(nn.Linear(2, 2), reshard_after_forward=2),
+        "FSDP: the model's parameters instead of the model":
+            lambda: FSDP(nn.Linear(2, 2).parameters()),
     }
     seen = {}
     for kind, call in calls.items():
@@ -269,6 +271,9 @@ ON_RANKS = {
         ("ValueError", r"compute_dtype must be one of \(None, torch.float32"),
     "FSDP: reshard_after_forward as fully_shard's int":
         ("TypeError", r"reshard_after_forward must be True or False"),
+    "FSDP: the model's parameters instead of the model":
+        ("TypeError", r"FSDP wraps a torch.nn.Module .*got generator: FSDP\(model\), not "
+                      r"FSDP\(model.parameters\(\)\)"),
 }
 
 

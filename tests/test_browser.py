@@ -290,9 +290,14 @@ class Chromium:
         except subprocess.TimeoutExpired:
             pass
         finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # Chromium's own process group
-                self.proc.wait()
+            # Chromium's own process group, also when the process started has exited: Debian's
+            # /usr/bin/chromium is a wrapper script, and browser processes under it were found
+            # running after it had gone.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # the whole group has exited
+            self.proc.wait()
 
 
 # The checks that run inside each page, once it has loaded (an async function of {title}).

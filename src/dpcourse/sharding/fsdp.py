@@ -104,6 +104,10 @@ class FSDP(nn.Module):
                  mp_policy: Any = None, reshard_after_forward: bool = True,
                  shard_group: Any = None, replicate_group: Any = None) -> None:
         super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FSDP wraps a torch.nn.Module (the model, on this rank's device), "
+                            f"got {type(module).__name__}: FSDP(model), not "
+                            "FSDP(model.parameters()) or FSDP(optimizer)")
         self.rank, self.world_size = rank_and_size()  # a clear error without a process group
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype}")
