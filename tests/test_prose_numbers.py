@@ -245,7 +245,7 @@ STATED: dict[str, dict[str, str]] = {
     },
     "09_sharded_optimizers": {
         TIME: "55 minutes",
-        RECORDED: "7.8e-4 | 4e-6 | 1.1e-4 | 1.22 times | 0.82 times | 2-3 %",
+        RECORDED: "7.8e-4 | 4e-6 | 1.1e-4 | 0.93 times | 0.86 | 2-3 %",
         HARDWARE: "989 TFLOP/s | 40 % | 50 GB/s | 400 GB/s | 5 µs",
         MODEL: "1.5 times | 1.5 | 13.04",
         INPUT: "7.5 | 0.5 | 4 times | 1e-5 | 2 %",

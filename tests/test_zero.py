@@ -19,7 +19,7 @@ from dpcourse import runtime
 from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.harness.launch import run_ranks
 from dpcourse.one_device.memory_measurement import optimizer_state_bytes
-from dpcourse.sharding.flat_shards import owner_of, shard_bounds
+from dpcourse.sharding.flat_shards import all_finite, owner_of, shard_bounds
 from dpcourse.sharding.zero import ShardedOptimizer
 
 STEPS = 10
@@ -30,6 +30,25 @@ STEPS = 10
 # apart after 10 AdamW steps on 2-4 ranks (measured on the CPU), a tenth of ATOL.
 RTOL, ATOL = 1e-5, 1e-6
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_all_finite_finds_an_inf_or_a_nan_anywhere_and_nothing_else(dtype):
+    """The flag ZeRO and FSDP spread to every shard (one sum, not a mask of the buffer: 25 ms
+    against 1 ms for 4.2 M elements here)."""
+    flat = torch.full((100_003,), 60_000.0 if dtype == torch.float16 else 1e30, dtype=dtype)
+    if dtype == torch.float16:  # 6e9 in all: an fp16 sum would overflow, fp32 accumulation not
+        assert torch.isinf(flat.sum())
+    assert all_finite(flat).item() and all_finite(flat).shape == ()
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for where in (0, 50_000, 100_002):
+            broken = flat.clone()
+            broken[where] = bad
+            assert not all_finite(broken).item(), (bad, where)
+    both = flat.clone()
+    both[1], both[2] = float("inf"), float("-inf")  # their sum is NaN, still not finite
+    assert not all_finite(both).item()
+    assert all_finite(torch.empty(0, dtype=dtype)).item()
 
 def make_model(seed: int = 0, device=None) -> nn.Module:
     """The model, on ``device`` (the rank's, by default: a GPU where there is one)."""

@@ -66,6 +66,7 @@ from dpcourse.collectives.p2p import rank_and_size
 from dpcourse.collectives.ring import ring_all_reduce
 from dpcourse.collectives.tree import tree_broadcast
 from dpcourse.one_device.memory import tensors_in
+from dpcourse.sharding.flat_shards import all_finite
 from dpcourse.sharding.fsdp_layer import CommThread, CommWork, ShardedLayer, used_here
 
 __all__ = ["FSDP"]
@@ -273,7 +274,7 @@ class FSDP(nn.Module):
         for i in layer.trainable():
             self._seen[layer.shards[i]] = (layer.has_grad(i), layer.shards[i].grad)
         flat = layer.pack_grads()
-        self._nonfinite |= ~torch.isfinite(flat).all()
+        self._nonfinite |= ~all_finite(flat)
         self._pending.append(self.comm.submit(layer.reduce_scatter, flat,
                                               stream="reduce-scatter"))
 

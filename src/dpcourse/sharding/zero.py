@@ -46,6 +46,7 @@ from dpcourse.collectives.p2p import rank_and_size
 from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
 from dpcourse.sharding.flat_shards import (
     FlatGroup,
+    all_finite,
     as_param_groups,
     flatten_group,
 )
@@ -232,7 +233,7 @@ class ShardedOptimizer(ShardedStateDict, torch.optim.Optimizer, JoinableOptimize
                 # Only this rank's shard of the reduced gradient will be meaningful (stage 1's
                 # buffer holds partial sums elsewhere): the model's gradients go.
                 p.grad = None
-            finite &= torch.isfinite(flat_grad).all()
+            finite &= all_finite(flat_grad)
             flat_grads.append(flat_grad)
         chunks = [flat.tensor_split(self.world_size) for flat in flat_grads]
         if self.world_size > 1:
