@@ -34,6 +34,7 @@ DPCOURSE_CHROMIUM to use another Chromium or Chrome binary.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import re
@@ -47,6 +48,7 @@ from urllib.parse import unquote, urlparse
 
 import pytest
 import yaml
+from matplotlib.figure import Figure
 
 from dpcourse.harness import figure_text
 
@@ -557,13 +559,10 @@ FIXTURE_ALT = {
 def _fixture_notebook(path: Path) -> None:
     """A notebook with saved outputs: a formula, a figure, a matplotlib JS animation and an
     ipywidget, the first three with alt text in their cells' metadata (as the chapters have)."""
-    import io
-
     import ipywidgets
     import nbformat
     from ipywidgets.embed import embed_data
     from matplotlib.animation import FuncAnimation
-    from matplotlib.figure import Figure
 
     # At the notebooks' 100 dpi, its 10 pt tick labels 13.9 px in the PNG, shown at full size.
     fig = Figure(figsize=(3, 2), dpi=100)
@@ -711,10 +710,6 @@ LONG_EQUATION = (
 
 def _png_without_record() -> str:
     """A data: URI of a figure saved where figure_text is not installed (no text size in it)."""
-    import io
-
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(3, 2), dpi=100)
     fig.add_subplot().plot([0, 1], [1, 0])
     png = io.BytesIO()

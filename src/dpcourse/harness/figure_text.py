@@ -17,17 +17,16 @@ Chapter 0: the course's tooling (the website's checks).
 from __future__ import annotations
 
 import base64
-import struct
-import zlib
+import io
 from dataclasses import dataclass
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
+from PIL import Image, UnidentifiedImageError
 
 KEY = "dpcourse:smallest-text-pt"
 POINTS_PER_INCH = 72
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _ORIGINAL_PRINT_PNG = FigureCanvasAgg.print_png
 
 
@@ -96,7 +95,7 @@ def uninstall() -> None:
 def read(png: bytes | str) -> FigureText:
     """What a PNG records about its text. ``png``: the file's bytes, or a ``data:image/png;base64,``
     URI as a page holds an animation's frame (its start is enough: PNG puts the metadata and the
-    resolution before the pixels)."""
+    resolution before the pixels, and Pillow reads them without the pixels)."""
     if isinstance(png, str):
         head, _, data = png.partition("base64,")
         if not head.startswith("data:image/png"):
@@ -104,38 +103,13 @@ def read(png: bytes | str) -> FigureText:
         data = "".join(data.split())
         data = data[: len(data) // 4 * 4]  # a cut-off URI: whole 4-character groups only
         png = base64.b64decode(data)
-    if not png.startswith(_PNG_SIGNATURE):
+    try:
+        image = Image.open(io.BytesIO(png))
+    except UnidentifiedImageError:
+        image = None
+    if image is None or image.format != "PNG":
         raise ValueError("not a PNG: it lacks the PNG signature")
-    pt = dpi = None
-    width = 0
-    at = len(_PNG_SIGNATURE)
-    while at + 8 <= len(png):
-        (length,), kind = struct.unpack(">I", png[at : at + 4]), png[at + 4 : at + 8]
-        body = png[at + 8 : at + 8 + length]
-        if kind == b"IHDR" and len(body) >= 8:
-            width = struct.unpack(">I", body[:4])[0]
-        elif kind == b"pHYs" and len(body) == 9:
-            per_unit, _, unit = struct.unpack(">IIB", body)
-            if unit == 1:  # pixels per metre
-                dpi = round(per_unit * 0.0254, 1)
-        elif kind in (b"tEXt", b"zTXt", b"iTXt") and len(body) == length:
-            key, _, value = body.partition(b"\0")
-            if key.decode("latin-1") == KEY:
-                pt = float(_text_value(kind, value))
-        elif kind in (b"IDAT", b"IEND"):
-            break
-        at += 12 + length
-    return FigureText(smallest_pt=pt, dpi=dpi, width=width)
-
-
-def _text_value(kind: bytes, value: bytes) -> str:
-    """A text chunk's value, after its key and the key's NUL: tEXt plain, zTXt compressed, iTXt
-    with its flags, language and translated key first."""
-    if kind == b"tEXt":
-        return value.decode("latin-1")
-    if kind == b"zTXt":
-        return zlib.decompress(value[1:]).decode("latin-1")
-    compressed, rest = value[0], value[2:]
-    _, _, rest = rest.partition(b"\0")  # language
-    _, _, text = rest.partition(b"\0")  # translated key
-    return (zlib.decompress(text) if compressed else text).decode("utf-8")
+    pt = image.info.get(KEY)
+    dpi = image.info.get("dpi")  # from the pHYs chunk, in dots per inch (99.9998 for 100)
+    return FigureText(smallest_pt=float(pt) if pt is not None else None,
+                      dpi=round(dpi[0], 1) if dpi else None, width=image.width)
