@@ -182,8 +182,8 @@ def _broken_on_rank(how: str) -> float:
 
     original = fsdp_layer.ShardedLayer.reduce_scatter
 
-    def no_average(self, flat_grad):
-        original(self, flat_grad)
+    def no_average(self, flat_grad, nonfinite):
+        original(self, flat_grad, nonfinite)
         for i in self.trainable():  # the sum of the ranks' gradients, not their mean
             self.shards[i].grad.mul_(self.world_size)
 
@@ -195,7 +195,7 @@ def _broken_on_rank(how: str) -> float:
         fsdp_layer.ShardedLayer.reduce_scatter = original
 
 
-def _local_rows(layer, flat_grad):
+def _local_rows(layer, flat_grad, nonfinite):
     """This rank's rows of its own gradient, with no communication."""
     chunks = list(flat_grad.split(layer.chunk_numels(trainable_only=True)))
     mine, offset = chunks[layer.rank], 0

@@ -13,8 +13,9 @@ but every rank still holds every parameter. Stage 3 shards the parameters too, a
    ``compute_dtype`` first, so the traffic is in that dtype), its forward hook frees them;
 3. **backward**: the gradient of a layer's output arrives just before the layer's backward, and
    a hook on it gathers the layer again; once every trainable parameter of the layer has its
-   gradient, they are reduce-scattered in fp32, averaged, added to the shards' ``.grad``, and
-   the full parameters are freed (ZeRO-3's order: gather, compute, free; reduce-scatter, free);
+   gradient, they are reduce-scattered (in fp32 unless chapter 11's policy says otherwise),
+   averaged, added to the shards' ``.grad``, and the full parameters are freed (ZeRO-3's
+   order: gather, compute, free; reduce-scatter, free);
 4. **prefetch**: every collective runs on one communication thread, in the order the hooks
    submit them (the same on every rank); on a GPU, on the thread's own streams, an all-gather
    stream and a reduce-scatter stream, synchronised with the compute stream by events
@@ -24,15 +25,20 @@ but every rank still holds every parameter. Stage 3 shards the parameters too, a
 
 Parameters outside the sharded layers stay replicated; their gradients are all-reduced in
 :meth:`FSDP.finish_gradient_synchronization`, which also all-reduces a few flags in one message:
-whether any rank's gradients were not finite, and which parameters got a gradient on some rank.
-A parameter that no rank used keeps the gradient it had (``None`` after ``zero_grad()``), so
-that the optimizer skips it, as with torch's DDP and FSDP (zeros would move it under momentum,
-Adam or weight decay). Each rank's reduce-scatter brings it only its own rows, so an fp16
-overflow on one rank would reach only the owners of the rows it hit, and a ``GradScaler`` on the
-other ranks would step while theirs skip (and their scales part ways); with the flag, every
-rank's gradients are made non-finite and every rank skips the step, as with DDP's all-reduce
-(torch's ``ShardedGradScaler`` all-reduces its flag for the same reason). A step is
+whether any rank's reduced gradients were not finite, and which parameters got a gradient on
+some rank. A parameter that no rank used keeps the gradient it had (``None`` after
+``zero_grad()``), so that the optimizer skips it, as with torch's DDP and FSDP (zeros would move
+it under momentum, Adam or weight decay). Each rank's reduce-scatter brings it only its own rows,
+so an overflow reaches only the ranks that own the rows it hit, and in fp16 a sum can overflow
+where no rank's own gradient did; each rank therefore checks the rows it received, after the
+sum, and with the all-reduced flag every rank's gradients are made non-finite, so that a
+``GradScaler`` skips the step on every rank, as with DDP's all-reduce. A step is
 ``loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()``.
+
+The gradients it leaves are this rank's rows, marked (:mod:`dpcourse.sharding.shard_grads`):
+torch's ``clip_grad_norm_`` would take this rank's part of the norm for the whole, and refuses
+them; :meth:`FSDP.clip_grad_norm_` clips by the global norm. A ``GradScaler`` reads the
+all-reduced flag from them, even on a rank that holds no rows.
 
 Chapter 11 gives it the knobs of ``fully_shard``: a mixed-precision policy (``mp_policy``, with
 torch's ``MixedPrecisionPolicy`` or anything with its four fields: the dtype of the gathered
@@ -66,7 +72,7 @@ from dpcourse.collectives.p2p import rank_and_size
 from dpcourse.collectives.ring import ring_all_reduce
 from dpcourse.collectives.tree import tree_broadcast
 from dpcourse.one_device.memory import tensors_in
-from dpcourse.sharding.flat_shards import all_finite
+from dpcourse.sharding import shard_grads
 from dpcourse.sharding.fsdp_layer import CommThread, CommWork, ShardedLayer, used_here
 
 __all__ = ["FSDP"]
@@ -90,7 +96,9 @@ class FSDP(nn.Module):
       ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``), read as
       ``fully_shard`` reads it: the layers are gathered and compute in ``param_dtype``; the
       gradients are reduced in ``reduce_dtype``, which defaults to ``param_dtype`` (not to fp32,
-      as ``compute_dtype`` does); the wrapped model's floating-point outputs are cast to
+      as ``compute_dtype`` does), and in fp16 divided by about sqrt(N) before the sum and by the
+      rest after, as ``fully_shard`` divides them (:func:`~dpcourse.sharding.fsdp_layer.
+      divide_factors`); the wrapped model's floating-point outputs are cast to
       ``output_dtype``. Not together with ``compute_dtype``.
     * ``reshard_after_forward``: False keeps a layer's gathered parameters from its forward
       until its gradients are reduced, so backward does not gather it again.
@@ -145,6 +153,7 @@ class FSDP(nn.Module):
         self.output_dtype, self.cast_forward_inputs = output_dtype, cast_inputs
         self.reshard_after_forward = reshard_after_forward
         self.shard_group, self.replicate_group = shard_group, replicate_group
+        self.shard_rank, self.shard_size = shard_rank, shard_size
         sharded = {id(p) for n in names for p in modules[n].parameters()}
         self.replicated = [p for p in module.parameters() if id(p) not in sharded]
         owners = {m for m in module.modules()  # of replicated parameters: they compute in fp32
@@ -164,7 +173,8 @@ class FSDP(nn.Module):
         self._sync = True  # reduce-scatter in this backward (set_requires_gradient_sync)
         self.calls: Counter[str] = Counter()  # all-gathers and reduce-scatters submitted
         self._backward = False  # this forward's backward has begun (in_backward)
-        # any rank's gradients not finite (an fp16 overflow): on the device, no host sync
+        # this rank's reduced rows not all finite (an fp16 overflow), set by the reduce-scatters
+        # and all-reduced with the flags: on the device, no host sync
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         for layer in self.layers:
             layer.module.register_forward_pre_hook(self._pre_forward(layer))
@@ -274,8 +284,7 @@ class FSDP(nn.Module):
         for i in layer.trainable():
             self._seen[layer.shards[i]] = (layer.has_grad(i), layer.shards[i].grad)
         flat = layer.pack_grads()
-        self._nonfinite |= ~all_finite(flat)
-        self._pending.append(self.comm.submit(layer.reduce_scatter, flat,
+        self._pending.append(self.comm.submit(layer.reduce_scatter, flat, self._nonfinite,
                                               stream="reduce-scatter"))
 
     # ------------------------------------------------------------------------- the step
@@ -331,32 +340,37 @@ class FSDP(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Wait for every reduce-scatter; reduce-scatter the layers whose gradients did not all
         arrive (a missing gradient counts as zero) and all-reduce the replicated parameters'
-        gradients (averaged). Afterwards every shard's ``.grad`` is its rows of the average; if
-        any rank's gradients were not finite, every rank's are (a NaN in each), so that a
-        ``GradScaler`` skips the step on every rank; a parameter that no rank used has the
-        gradient it had before this backward (``None`` after ``zero_grad``)."""
+        gradients (averaged). Afterwards every shard's ``.grad`` is its rows of the average (a
+        :class:`~dpcourse.sharding.shard_grads.ShardGrad`); if any rank's reduced gradients were
+        not finite, every rank's are (a NaN in each), so that a ``GradScaler`` skips the step on
+        every rank; a parameter that no rank used has the gradient it had before this backward
+        (``None`` after ``zero_grad``)."""
         self._backward = False
         for layer in self.layers:
             if not layer.reduced and layer.trainable():
                 self._reduce(layer)
+        for work in self._pending:  # the reduce-scatters: this rank's rows, and their flag
+            work.wait()
+        self._pending.clear()
         self._seen.update((p, (p.grad is not None, p.grad)) for p in self.replicated
                           if p.requires_grad)
         # in one order on every rank: the layers', then the replicated parameters'
         used = [self._seen[p][0] for p in self._trainable()]
+        pending = []
         if self.replicated:
-            self._pending.append(self.comm.submit(_all_reduce_grads, self.replicated,
-                                                  self.world_size, stream="reduce-scatter"))
-        # one message: this rank's overflow (1: not finite) and, per parameter, "used here"
+            pending.append(self.comm.submit(_all_reduce_grads, self.replicated, self.world_size,
+                                            stream="reduce-scatter"))
+        # one message: whether this rank's reduced rows overflowed (1: not finite) and, per
+        # parameter, whether it got a gradient here
         flags = torch.ones(1 + len(used), dtype=torch.uint8, device=self.device)
         flags[0] = self._nonfinite
         if not all(used):
             flags[1:] = torch.tensor(used, dtype=torch.uint8).to(flags.device)  # rare: a copy
         if self.world_size > 1:
-            self._pending.append(self.comm.submit(ring_all_reduce, flags, "max", False,
-                                                  stream="reduce-scatter"))
-        for work in self._pending:
+            pending.append(self.comm.submit(ring_all_reduce, flags, "max", False,
+                                            stream="reduce-scatter"))
+        for work in pending:
             work.wait()
-        self._pending.clear()
         self._nonfinite.zero_()
         for layer in self.layers:
             if layer.gather is not None:
@@ -370,7 +384,31 @@ class FSDP(nn.Module):
         overflow = flags[0].bool()
         for g in grads:  # a tensor op, not `if overflow:`, which would wait for the GPU
             g.view(-1)[:1].masked_fill_(overflow, float("nan"))
+        # torch's clip_grad_norm_ refuses them, and a GradScaler reads the flag (even where this
+        # rank holds no rows)
+        shard_grads.mark_shards(self._shards(), overflow)
         self._needs_sync = False
+
+    def _shards(self) -> list[nn.Parameter]:
+        return [shard for layer in self.layers for shard in layer.shards]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that the whole model's gradient has a ``norm_type``-norm of
+        at most ``max_norm``, and return that norm (a 0-dim tensor, the same on every rank), as
+        ``torch.nn.utils.clip_grad_norm_`` does on unsharded gradients (on our shards it would
+        take each rank's own part, and refuses: :mod:`dpcourse.sharding.shard_grads`). Call it
+        on every rank, after :meth:`finish_gradient_synchronization` (and after
+        ``scaler.unscale_(optimizer)`` where a GradScaler scales the loss), before the step."""
+        if self._needs_sync:
+            raise RuntimeError("clip_grad_norm_ before finish_gradient_synchronization: the "
+                               "gradients are not yet averaged; call "
+                               "fsdp.finish_gradient_synchronization() first")
+        sharded = [s.grad for s in self._shards() if s.grad is not None]
+        whole = [p.grad for p in self.replicated if p.grad is not None]
+        work = self.comm.submit(shard_grads.clip_grad_norm_, sharded, whole, max_norm,
+                                float(norm_type), self.shard_rank, self.shard_size,
+                                self.shard_group, stream="reduce-scatter")
+        return work.wait()
 
     def _trainable(self) -> list[nn.Parameter]:
         return ([layer.shards[i] for layer in self.layers for i in layer.trainable()]

@@ -53,9 +53,10 @@ from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.collectives.p2p import active_counters, counted_like
 from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
 from dpcourse.one_device.memory import tensors_in
+from dpcourse.sharding.flat_shards import all_finite
 
 __all__ = ["CommThread", "CommWork", "ShardedLayer", "shard_rows", "gather_chunk_numels",
-           "STREAMS"]
+           "divide_factors", "STREAMS"]
 
 STREAMS = ("all-gather", "reduce-scatter")  # the communication thread's streams on a GPU
 
@@ -79,6 +80,24 @@ def gather_chunk_numels(shapes: list[tuple[int, ...]], world_size: int) -> list[
         for k, (r0, r1) in enumerate(shard_rows(rows, world_size)):
             sizes[k] += row * (r1 - r0)
     return sizes
+
+
+def divide_factors(ranks: int, reduce_dtype: torch.dtype) -> tuple[int, float]:
+    """(pre, post): the gradients of ``ranks`` ranks are averaged by dividing each by ``pre``
+    before they are summed and the sum by ``post`` after (``pre * post == ranks``), as
+    ``fully_shard`` does (torch's ``_get_gradient_divide_factors``). In fp32 and bf16, whose
+    range is fp32's, all of it after (pre 1). In fp16, whose largest number is 65504, about the
+    square root of ``ranks`` before: pre doubles while it divides ``ranks`` and is below
+    ``ranks / pre`` (2 for 2, 3 or 4 ranks, 8 for 64). Summed first, each rank's 40000 makes
+    80000 on 2 ranks, no fp16 number; 20000 + 20000 is one. Divided by all of ``ranks`` first,
+    small gradients would sink below fp16's smallest normal number (6.1e-5) and lose digits.
+    Chapter 11."""
+    if reduce_dtype in (torch.float32, torch.bfloat16, torch.float64):
+        return 1, float(ranks)
+    pre = 1
+    while ranks % pre == 0 and ranks / pre > pre:
+        pre *= 2
+    return pre, ranks / pre
 
 
 class CommWork:
@@ -288,15 +307,22 @@ class ShardedLayer:
                     rows.copy_(chunk[offset : offset + n].view_as(rows))
                 offset += n
 
-    def reduce_scatter(self, flat_grad: torch.Tensor) -> None:
+    def reduce_scatter(self, flat_grad: torch.Tensor, nonfinite: torch.Tensor) -> None:
         """Reduce-scatter the layer's gradients (laid out by :meth:`pack_grads`, in the reduce
         dtype), sum this rank's chunk over the replicas (HSDP), average and add this rank's rows
-        to the shards' ``.grad``, in fp32 (communication thread)."""
+        to the shards' ``.grad``, in fp32 (communication thread). The average is divided before
+        and after the sum (:func:`divide_factors`), and ``nonfinite`` (a 0-dim bool tensor) is
+        set if the rows this rank received are not all finite: an fp16 sum can overflow where
+        no rank's gradient did, so the flag is taken after the sum, not before."""
+        pre, post = divide_factors(self.world_size * self.replicas, flat_grad.dtype)
+        if pre != 1:
+            flat_grad.div_(pre)
         chunks = list(flat_grad.split(self.chunk_numels(trainable_only=True)))
         if self.world_size > 1:
             ring_reduce_scatter_(chunks, "sum", self.rank, self.group)
         mine = self.reduce_across_replicas(chunks[self.rank])
-        mine.div_(self.world_size * self.replicas)  # every rank's gradient counts once
+        mine.div_(post)  # every rank's gradient counts once
+        nonfinite |= ~all_finite(mine)
         offset = 0
         for i in self.trainable():
             shard = self.shards[i]
