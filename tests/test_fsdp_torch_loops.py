@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcourse.harness.bench.fsdp import fully_shard_placement
+from dpcourse.harness.bench.fsdp_agreement import clipping_on_rank, fp16_reduction_on_rank
 from dpcourse.harness.launch import run_ranks
 
 LAYERS = ["embed", "block1", "block2"]  # the head replicated, where a test says so
@@ -52,62 +53,11 @@ def batch(rank: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 5, generator=g).to(device), torch.randn(4, 2, generator=g).to(device)
 
 
-def _linear_2x2(device):
-    net = nn.Sequential(nn.Linear(2, 2, bias=False)).to(device)
-    nn.init.zeros_(net[0].weight)
-    return net
-
-
-def _fp16_reduction_on_rank(row0: float, scale: float | None) -> dict:
-    """Each rank's gradient of the ``Linear(2, 2)``'s row 0 is ``row0`` (times the GradScaler's
-    ``scale``, if given, which then steps SGD once): ours and ``fully_shard``'s, on this rank."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    from dpcourse import runtime
-    from dpcourse.sharding.fsdp import FSDP
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16)
-    device, mesh = fully_shard_placement()
-    out = {}
-    for impl in ("ours", "fully_shard"):
-        if impl == "ours":
-            net = FSDP(_linear_2x2(runtime.device()), mp_policy=policy)
-        else:
-            net = _linear_2x2(device)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                fully_shard(net[0], mp_policy=policy, mesh=mesh)
-                fully_shard(net, mp_policy=policy, mesh=mesh)
-        params = list(net.parameters())
-        x = torch.ones(1, 2, device=params[0].device)
-        loss = net(x).float()[:, 0].sum() * row0
-        scaler = None
-        if scale is not None:
-            opt = torch.optim.SGD(params, lr=0.1)
-            scaler = torch.amp.GradScaler(params[0].device.type, init_scale=scale)
-            loss = scaler.scale(loss)
-        loss.backward()
-        if impl == "ours":
-            net.finish_gradient_synchronization()
-        grad = params[0].grad
-        grad = grad.to_local() if hasattr(grad, "to_local") else grad.as_subclass(torch.Tensor)
-        out[impl] = {"grad": grad.float().cpu().tolist()}
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-            weight = (net.full_state_dict()["0.weight"] if impl == "ours"
-                      else params[0].full_tensor())
-            out[impl].update(scale=scaler.get_scale(), weight=weight.float().cpu().tolist())
-        if impl == "ours":
-            net.close()
-    return out
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_fp16_sum_that_overflows_is_divided_first_as_fully_shard_divides_it(world):
     """Before issue 41: rank 0 held [[inf, inf]] (the fp16 sum 80000 or 120000), the others
     finite rows, where fully_shard holds [[40000, 40000]] (divided by 2 before the sum)."""
-    per_rank = run_ranks(_fp16_reduction_on_rank, world, 40000.0, None, timeout=120)
+    per_rank = run_ranks(fp16_reduction_on_rank, world, 40000.0, None, timeout=120)
     for rank, r in enumerate(per_rank):
         assert r["ours"]["grad"] == r["fully_shard"]["grad"], (rank, r)
     assert per_rank[0]["ours"]["grad"] == [[40000.0, 40000.0]]
@@ -118,7 +68,7 @@ def test_a_grad_scaler_steps_on_every_rank_or_on_none(world):
     """Scaled by 2**15, each rank's row-0 gradient is 39328 in fp16: finite, but not their sum.
     Before issue 41, rank 0 skipped the step and halved its scale while the others stepped: the
     ranks' scales and weights parted ways. Now every rank steps, as with fully_shard."""
-    per_rank = run_ranks(_fp16_reduction_on_rank, world, 1.2, 2.0**15, timeout=120)
+    per_rank = run_ranks(fp16_reduction_on_rank, world, 1.2, 2.0**15, timeout=120)
     for rank, r in enumerate(per_rank):
         ours, theirs = r["ours"], r["fully_shard"]
         assert ours["grad"] == theirs["grad"], (rank, r)
@@ -132,7 +82,7 @@ def _overflow_after_the_division_on_rank() -> dict:
     """Each rank's row-0 gradient 60000 on 3 ranks: divided by 2 first, the sum is 90000, not
     fp16 either. fully_shard's owner of row 0 holds inf and its GradScaler, whose "found inf" is
     max-reduced over the mesh (DTensor), makes every rank skip the step; ours must too."""
-    return _fp16_reduction_on_rank(60000.0, 1.0)
+    return fp16_reduction_on_rank(60000.0, 1.0)
 
 
 def test_an_overflow_that_remains_makes_every_rank_skip_the_step():
@@ -226,3 +176,15 @@ def test_clipping_takes_the_global_norm_of_the_unsharded_model(world, norm_type)
                 r0, r1 = (0, len(whole)) if replicated else chunk_bounds(len(whole), world)[rank]
                 torch.testing.assert_close(grad.reshape(-1), whole[r0:r1].reshape(-1),
                                            rtol=1e-5, atol=1e-7)
+
+
+def test_the_chapters_clipping_run_shows_each_ranks_own_norm_short_of_the_global_one():
+    per_rank = run_ranks(clipping_on_rank, 2, timeout=120)
+    for r in per_rank:
+        assert r["ours"] == pytest.approx(r["one process"], rel=1e-6)
+        assert r["fully_shard"] == pytest.approx(r["one process"], rel=1e-6)
+        assert r["own shards"] < 0.9 * r["one process"]  # a part taken for the whole
+        assert "fsdp.clip_grad_norm_" in r["torch on ours"]
+    # the parts add up: squares of the ranks' own norms sum to the square of the global one
+    assert sum(r["own shards"] ** 2 for r in per_rank) == pytest.approx(
+        per_rank[0]["one process"] ** 2, rel=1e-5)

@@ -269,7 +269,7 @@ STATED: dict[str, dict[str, str]] = {
         HARDWARE: "989 TFLOP/s | 450 GB/s | 50 GB/s | 3 and 5 µs | 5 µs | 400 GB/s",
         MODEL: "0.41 s | 0.15 s | 0.015 s | 0.61 s | 0.51 s | 0.76 | 0.47 | 0.87 | 0.41 | 1.00"
         " | 1.51 | 2.26 | 5.4 | 76.8 | 102.4",
-        INPUT: "0.2 ms | 8.4 | 0.02 | 100 Mbit/s | 400 Mbit/s | 4 Gbit/s",
+        INPUT: "0.2 ms | 8.4 | 0.02 | 100 Mbit/s | 400 Mbit/s | 4 Gbit/s | 1.2",
     },
     "diagnosis_lab": {
         TIME: "35 minutes",
