@@ -278,6 +278,150 @@ def test_memory_per_rank_is_one_nth_and_at_most_two_layers_are_gathered():
         assert total == 4 * numel  # the shards partition the parameters
 
 
+def _alive_on_rank(prefetch: bool) -> dict:
+    """Two steps of FSDP on the model, watching every unsharded buffer: each all-gather's
+    buffer (held weakly: alive until nothing refers to it) and each layer's full parameters
+    (alive while they have memory). Sampled at every hook of every layer, when a buffer is made,
+    and right after each copy-out (where a layer's buffer and its parameters overlap)."""
+    import weakref
+
+    from dpcourse.sharding.fsdp import FSDP
+
+    fsdp = FSDP(make_net(frozen=False), prefetch=prefetch)
+    buffers: list[tuple[str, weakref.ref]] = []
+    samples: list[dict[str, int]] = []
+
+    def sample(*_) -> None:
+        alive = {}
+        for layer in fsdp.layers:
+            held = [t for name, ref in buffers if name == layer.name and (t := ref()) is not None]
+            nbytes = sum(t.nbytes for t in held) + layer.full_bytes()
+            if nbytes:
+                alive[layer.name] = nbytes
+        samples.append(alive)
+
+    for layer in fsdp.layers:
+        def made(*args, layer=layer, real=layer.gather_buffer):
+            buf = real(*args)
+            buffers.append((layer.name, weakref.ref(buf)))
+            sample()
+            return buf
+
+        def copied(*args, real=layer.copy_out):
+            real(*args)
+            sample()
+
+        layer.gather_buffer, layer.copy_out = made, copied
+        def after_forward(module, args, out) -> None:
+            sample()
+            out.register_hook(sample)  # the gradient of the output: backward reaches the layer
+
+        layer.module.register_forward_pre_hook(sample)
+        layer.module.register_forward_hook(after_forward)
+        for full in layer.full:
+            full.register_post_accumulate_grad_hook(sample)
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+    after_step = []
+    for s in range(2):
+        x, y = batch(s, dist.get_rank())
+        nn.functional.mse_loss(fsdp(x), y).backward()
+        fsdp.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+        sample()
+        after_step.append(samples[-1])
+    layer_bytes = {layer.name: sum(f.nbytes for f in layer.full) for layer in fsdp.layers}
+    fsdp.close()
+    return {"samples": samples, "after_step": after_step, "layer_bytes": layer_bytes,
+            "gathers": len(buffers)}
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no prefetch"])
+def test_at_most_two_layers_are_unsharded_at_a_time_counting_every_buffer(prefetch):
+    """The bound FSDP2 keeps on a GPU by freeing in the streams' order (no record_stream),
+    counted on the CPU: every all-gather buffer still referenced and every layer's full
+    parameters. At most two layers at any moment (one without prefetch); a layer's bytes are
+    held at most twice, its buffer and its parameters, only for the moment of its copy-out;
+    nothing is left after a step."""
+    for r in run_ranks(_alive_on_rank, 3, prefetch, timeout=120):
+        assert r["gathers"] == 2 * 2 * 4  # 2 steps, 2 gathers per layer, 4 layers
+        widest = max(len(alive) for alive in r["samples"])
+        assert widest == (2 if prefetch else 1), r["samples"]
+        for alive in r["samples"]:
+            for name, nbytes in alive.items():
+                assert nbytes <= 2 * r["layer_bytes"][name], (name, alive)
+            two = sorted(r["layer_bytes"].values())[-2:]
+            assert sum(alive.values()) <= max(sum(two), 2 * two[-1]), alive
+        assert r["after_step"] == [{}, {}]
+
+
+def test_no_record_stream_in_the_sharding_code():
+    """Memory is freed by the streams' order, as FSDP2 frees it (chapter 9): a call of
+    record_stream would tie a free to the GPU catching up with the host."""
+    from pathlib import Path
+
+    import dpcourse.sharding
+
+    folder = Path(dpcourse.sharding.__file__).parent
+    calls = [f"{p.name}:{n}" for p in sorted(folder.glob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if "record_stream(" in line and not line.lstrip().startswith("#")]
+    assert calls == []
+
+
+def _forward_backward_peaks_on_gpu(layers: int = 16, width: int = 2048) -> dict:
+    """One rank on its GPU (NCCL, no collective runs): FSDP on a deep MLP whose layers each
+    sleep on the GPU first, so that the host queues far ahead of the GPU. The peak memory above
+    the step's start, in forward and in backward (the shards' gradients, 1/N of the model,
+    taken out), in layers' worth."""
+    from dpcourse.sharding.fsdp import FSDP
+
+    class Slow(nn.Module):  # a layer whose GPU work takes long and needs no memory
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.cuda._sleep(5_000_000)
+            return self.linear(x)
+
+    device = runtime.device()
+    fsdp = FSDP(nn.Sequential(*[Slow() for _ in range(layers)]).to(device))
+    opt = torch.optim.SGD(fsdp.parameters(), lr=1e-3)
+    x = torch.randn(8, width, device=device)
+    layer = 4 * (width * width + width)
+    peaks = {}
+    for _ in range(2):  # the first records the order and warms the allocator up
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = fsdp(x).square().mean()
+        torch.cuda.synchronize(device)
+        peaks["forward"] = (torch.cuda.max_memory_allocated(device) - base) / layer
+        torch.cuda.reset_peak_memory_stats(device)
+        loss.backward()
+        fsdp.finish_gradient_synchronization()
+        torch.cuda.synchronize(device)
+        grads = sum(p.grad.nbytes for p in fsdp.parameters() if p.grad is not None)
+        peaks["backward"] = (torch.cuda.max_memory_allocated(device) - base - grads) / layer
+        opt.step()
+        opt.zero_grad()
+    fsdp.close()
+    return peaks
+
+
+@pytest.mark.gpu
+def test_the_host_running_ahead_does_not_make_fsdp_hold_more_layers_on_a_gpu():
+    """FSDP1's problem, which FSDP2 solved by freeing in the streams' order: with record_stream
+    a freed layer's memory is reused only once the GPU has caught up, so a host that runs ahead
+    of a slow GPU through 16 layers allocates up to 16 layers' worth. Ours must hold a few:
+    in forward the layer, the one prefetched and their buffers; in backward also a layer's full
+    gradients and their packed copy for the reduce-scatter."""
+    peaks = run_ranks(_forward_backward_peaks_on_gpu, 1, backend="nccl", timeout=300)[0]
+    assert peaks["forward"] <= 4.5, peaks
+    assert peaks["backward"] <= 6.5, peaks
+
+
 def test_a_step_sends_one_and_a_half_times_ddps_bytes():
     world = 3
     per_rank = run_ranks(_memory_on_rank, world, timeout=120)

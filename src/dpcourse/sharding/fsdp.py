@@ -73,7 +73,7 @@ from dpcourse.collectives.ring import ring_all_reduce
 from dpcourse.collectives.tree import tree_broadcast
 from dpcourse.one_device.memory import tensors_in
 from dpcourse.sharding import shard_grads
-from dpcourse.sharding.fsdp_layer import CommThread, CommWork, ShardedLayer, used_here
+from dpcourse.sharding.fsdp_layer import CommThread, CommWork, ShardedLayer
 
 __all__ = ["FSDP"]
 
@@ -208,9 +208,15 @@ class FSDP(nn.Module):
 
     # --------------------------------------------------------------------------- hooks
     def _gather(self, layer: ShardedLayer) -> None:
-        if layer.gather is None:
+        if layer.gather is None and not layer.full_bytes():
             self.calls["all-gather"] += 1
-            layer.gather = self.comm.submit(layer.all_gather)
+            layer.gather = self.comm.submit(layer.all_gather, layer.gather_buffer())
+
+    def _unshard(self, layer: ShardedLayer) -> None:
+        self._gather(layer)  # nothing if it is gathered, or on its way (a prefetch)
+        if layer.gather is not None:
+            layer.copy_out(layer.gather.wait())  # the parameters are here (a GPU: will be)
+            layer.gather = None  # its buffer goes, after the compute stream waited for it
 
     def _neighbour(self, layer: ShardedLayer, step: int) -> ShardedLayer | None:
         if not self._recorded or layer not in self._order:
@@ -230,8 +236,7 @@ class FSDP(nn.Module):
             recomputing = self.in_backward()
             if not self._recorded and not recomputing:
                 self._order.append(layer)
-            self._gather(layer)  # a recomputation finds the layer gathered for its backward
-            layer.gather.wait()  # this layer's parameters are here (on a GPU: will be)
+            self._unshard(layer)  # a recomputation finds the layer gathered for its backward
             if (self.prefetch and not recomputing
                     and (nxt := self._neighbour(layer, +1)) is not None):
                 self._gather(nxt)  # on the wire while this layer computes
@@ -256,8 +261,7 @@ class FSDP(nn.Module):
     def _pre_backward(self, layer: ShardedLayer) -> None:
         if layer.reduced:
             return
-        self._gather(layer)
-        layer.gather.wait()
+        self._unshard(layer)
         # in the module too: a recomputation that runs the layer's inner modules (activation
         # checkpointing inside the sharded unit) uses the module's parameters, not autograd's
         layer.use_full(True)
@@ -281,6 +285,8 @@ class FSDP(nn.Module):
     def _reduce(self, layer: ShardedLayer) -> None:
         layer.reduced = True
         self.calls["reduce-scatter"] += 1
+        if self._pending:  # as FSDP2: the last reduce-scatter's input goes, once waited for
+            self._pending[-1].release()
         for i in layer.trainable():
             self._seen[layer.shards[i]] = (layer.has_grad(i), layer.shards[i].grad)
         flat = layer.pack_grads()
@@ -299,9 +305,8 @@ class FSDP(nn.Module):
         self._backward = False
         for layer in self.layers:
             layer.arrived, layer.reduced = 0, False
-            if layer.gather is not None:  # kept from a forward whose backward never ran
-                layer.gather.wait()  # (evaluation with reshard_after_forward=False)
-                layer.free()
+            if layer.gather is not None or layer.full_bytes():  # kept from a forward whose
+                layer.free()  # backward never ran (evaluation, reshard_after_forward=False)
         out = self.module(*args, **kwargs)
         self._recorded = True
         if self.output_dtype is not None:
@@ -357,8 +362,10 @@ class FSDP(nn.Module):
         # in one order on every rank: the layers', then the replicated parameters'
         used = [self._seen[p][0] for p in self._trainable()]
         pending = []
-        if self.replicated:
-            pending.append(self.comm.submit(_all_reduce_grads, self.replicated, self.world_size,
+        replicated = [p for p in self.replicated if p.requires_grad]
+        if replicated and self.world_size > 1:  # their gradients, averaged in one flat ring
+            flat = _flat_grads(replicated)
+            pending.append(self.comm.submit(ring_all_reduce, flat, "mean", False,
                                             stream="reduce-scatter"))
         # one message: whether this rank's reduced rows overflowed (1: not finite) and, per
         # parameter, whether it got a gradient here
@@ -371,16 +378,14 @@ class FSDP(nn.Module):
                                             stream="reduce-scatter"))
         for work in pending:
             work.wait()
+        if replicated and self.world_size > 1:
+            _set_grads(replicated, flat)
         self._nonfinite.zero_()
         for layer in self.layers:
-            if layer.gather is not None:
-                layer.gather.wait()
             layer.use_full(False)
             layer.free()
         self._keep_unused(flags, all(used))
         grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel()]
-        # they were made on the reduce-scatter stream; the optimizer uses them here
-        used_here(grads)
         overflow = flags[0].bool()
         for g in grads:  # a tensor op, not `if overflow:`, which would wait for the GPU
             g.view(-1)[:1].masked_fill_(overflow, float("nan"))
@@ -483,7 +488,8 @@ class FSDP(nn.Module):
         for layer in self.layers:
             whole = [torch.empty(f.shape, dtype=torch.float32, device=f.device)
                      for f in layer.full]
-            self.comm.submit(layer.all_gather, whole).wait()
+            flat = self.comm.submit(layer.all_gather, layer.gather_buffer(torch.float32)).wait()
+            layer.copy_out(flat, whole)
             for name, tensor in zip(layer.param_names, whole, strict=True):
                 state[f"{layer.name}.{name}"] = tensor
         return state
@@ -491,8 +497,7 @@ class FSDP(nn.Module):
     def gathered_bytes(self) -> int:
         """Bytes of full parameters this rank holds now, or is gathering (a prefetch in flight
         counts: its memory is being filled)."""
-        return sum(sum(f.numel() * f.element_size() for f in layer.full)
-                   for layer in self.layers if layer.gather is not None or layer.full_bytes())
+        return sum(layer.unsharded_bytes() for layer in self.layers)
 
     def unsharded_grad_bytes(self) -> int:
         """Bytes of full gradients this rank holds now: those of a layer whose backward ran and
@@ -583,16 +588,15 @@ def _cast_inputs(dtype: torch.dtype):
     return hook
 
 
-def _all_reduce_grads(params: list[nn.Parameter], world_size: int) -> None:
-    """Average the replicated parameters' gradients over the ranks, in one flat ring
-    all-reduce (a missing gradient counts as zero)."""
-    trainable = [p for p in params if p.requires_grad]
-    if not trainable or world_size == 1:
-        return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                      for p in trainable])
-    ring_all_reduce(flat, "mean", check_shapes=False)
+def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor:
+    """The parameters' gradients end to end in fp32 (a missing gradient counts as zeros)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p in params])
+
+
+def _set_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Give each parameter its piece of ``flat`` as its gradient, in its dtype."""
     offset = 0
-    for p in trainable:
+    for p in params:
         p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
         offset += p.numel()

@@ -10,13 +10,16 @@
 * **Gather.** The layer's gather buffer is laid out rank by rank: rank r's chunk is its shards
   of every parameter, end to end. Each rank copies its shards into its chunk (cast to the
   compute dtype first, so the traffic is in that dtype) and the ring all-gather of chapter 6
-  fills the other chunks. The rows are then copied out into the full parameters.
+  fills the other chunks (:meth:`ShardedLayer.all_gather`, on the communication thread). The
+  rows are then copied out into the full parameters, where the layer computes
+  (:meth:`ShardedLayer.copy_out`), and the buffer is let go.
 * **Free.** A full parameter keeps its tensor object for autograd (the layer's backward saved
   it) and loses its memory: ``untyped_storage().resize_(0)``. Gathering again before backward
   gives it memory back and copies the rows into it, without autograd noticing (``.data``).
-* **Reduce-scatter.** The layer's gradients, cast to fp32, are laid out rank by rank as the
-  gather buffer is (trainable parameters only); after the ring reduce-scatter rank r's chunk
-  is the sum of its rows' gradients, which it divides by N and adds to its shards' ``.grad``.
+* **Reduce-scatter.** The layer's gradients, in the reduce dtype (fp32 by default), are laid out
+  rank by rank as the gather buffer is (trainable parameters only); after the ring
+  reduce-scatter rank r's chunk is the sum of its rows' gradients, which it divides by N
+  (:func:`divide_factors`: in fp16, partly before the sum) and adds to its shards' ``.grad``.
 
 Chapter 11 adds three things. The gradients can be reduced in another dtype than fp32
 (``reduce_dtype``, as FSDP2's ``MixedPrecisionPolicy`` does). Between micro-batches whose
@@ -30,10 +33,12 @@ across the nodes (:meth:`ShardedLayer.reduce_across_replicas`).
 :class:`CommThread` runs the collectives on one thread, in the order they are submitted: the same
 on every rank, as a CUDA stream would run them. The layer's compute goes on meanwhile. On a GPU
 the thread works on the rank's device and queues its work on streams of its own, one for the
-all-gathers and one for the reduce-scatters, as FSDP2 does: a collective waits (on its stream) for
-the compute that made its inputs, and the compute that uses its result waits (on the compute
-stream) for the collective, through CUDA events, so that the GPU runs the two side by side. Its
-:class:`CommWork` is waited on like torch's ``Work``.
+all-gathers and one for the reduce-scatters: a collective waits (on its stream) for the compute
+that made its inputs, and the compute that uses its result waits (on the compute stream) for the
+collective, through CUDA events, so that the GPU runs the two side by side. Its
+:class:`CommWork` is waited on like torch's ``Work``. Memory is freed as FSDP2 frees it, by the
+streams' order and not by ``record_stream``: the buffers a collective fills are made on the
+compute stream and let go only after the compute stream has waited for it.
 
 Chapter 9: fully sharded data parallelism, one layer.
 """
@@ -102,10 +107,12 @@ def divide_factors(ranks: int, reduce_dtype: torch.dtype) -> tuple[int, float]:
 
 class CommWork:
     """A collective submitted to a :class:`CommThread`; like torch.distributed's ``Work``,
-    :meth:`wait` returns once its result may be used by the caller."""
+    :meth:`wait` returns once its result may be used by the caller. On a GPU it keeps the
+    tensors the collective reads and writes until then (the caller frees them afterwards)."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, keep: list[torch.Tensor] | None = None) -> None:
         self._future = future
+        self._keep = keep
 
     def done(self) -> bool:
         """True once the communication thread has run (on a GPU: queued) the collective."""
@@ -115,11 +122,21 @@ class CommWork:
         """The collective's result. On the CPU it has finished. On a GPU the thread has queued
         it on its stream, and the caller's current stream now waits for it (an event), as
         ``work.wait()`` makes it wait for an NCCL collective: work queued after this call on
-        that stream runs once the collective is done, and the host does not block on the GPU."""
+        that stream runs once the collective is done, and the host does not block on the GPU.
+        Only then are the collective's tensors let go: their memory, freed, goes back to the
+        caller's stream, which now runs after the collective."""
         result, done = self._future.result()
         if done is not None:
             torch.cuda.current_stream(done.device).wait_event(done.event)
+        self._keep = None
         return result
+
+    def release(self) -> None:
+        """Let the caller free the collective's tensors as early as it safely can: on a GPU,
+        :meth:`wait` (the host waits only for the thread to have queued it); on the CPU
+        nothing, since the thread lets them go when the collective ends."""
+        if self._keep is not None:
+            self.wait()
 
 
 @dataclass(frozen=True)
@@ -138,13 +155,26 @@ class CommThread:
 
     * the thread makes ``device`` its current device, which is per thread: left at ``cuda:0``,
       rank 1's collectives would run on another rank's GPU, and NCCL can hang;
-    * each collective runs on one of the thread's streams (:data:`STREAMS`), never on the
-      compute stream, where ``work.wait()`` would queue it behind (and ahead of) the matmuls;
+    * each collective's own work (the ring's copies and adds) runs on one of the thread's
+      streams (:data:`STREAMS`), never on the compute stream, where it would queue behind (and
+      ahead of) the matmuls. Its messages are NCCL's kernels, which ProcessGroupNCCL queues on
+      streams of its own; each waits for the stream that was current when it was issued (this
+      side stream) and ``work.wait()`` makes that stream wait for it, so the side stream
+      decides what NCCL waits for;
     * before it starts, its stream waits for an event recorded on the caller's stream when it
       was submitted (its inputs were computed there); :meth:`CommWork.wait` makes the caller's
       stream wait for an event recorded after it;
-    * a tensor made on one stream and used on another is marked with ``record_stream``, so that
-      the caching allocator does not give its memory away before the other stream is done.
+    * memory is freed by the streams' order, not by ``record_stream``: the tensors a collective
+      reads or writes are made on the caller's stream before it is submitted, and its
+      :class:`CommWork` holds them until :meth:`CommWork.wait` has made the caller's stream wait
+      for the collective; freed after that, their memory can only be reused by work that the
+      caller's stream runs after the collective (what torch's ProcessGroupNCCL does with
+      ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``: it keeps a collective's tensors until its
+      ``work.wait()``). What the collective makes on its stream (the shards' gradients) stays
+      there until the next step, and that stream's next collective waits for the caller's
+      stream first. ``record_stream`` frees only once the GPU has caught up with the host, so
+      a host that runs ahead makes the allocator take new memory meanwhile: FSDP1's problem
+      (its ``limit_all_gathers`` stopped the host instead), which FSDP2 avoids so.
     """
 
     def __init__(self, device: torch.device | str | None = None) -> None:
@@ -162,18 +192,15 @@ class CommThread:
             torch.cuda.set_device(self.device)
 
     def submit(self, fn: Callable[..., Any], *args: Any, stream: str = "all-gather") -> CommWork:
-        """Run ``fn(*args)`` on the thread (on a GPU, on the stream named ``stream``)."""
+        """Run ``fn(*args)`` on the thread (on a GPU, on the stream named ``stream``). Make the
+        tensors ``fn`` writes into on the caller's stream, and pass them in ``args``."""
         counters = active_counters()
         if stream not in STREAMS:
             raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
         side = self.streams.get(stream)  # None on the CPU
         ready = None
         if side is not None:
-            caller = torch.cuda.current_stream(self.device)
-            ready = caller.record_event()  # the inputs are made (queued) up to here
-            for t in tensors_in(args):
-                if t.is_cuda:
-                    t.record_stream(side)
+            ready = torch.cuda.current_stream(self.device).record_event()  # inputs made
 
         def run() -> tuple[Any, _Done | None]:
             with counted_like(counters):
@@ -184,19 +211,11 @@ class CommThread:
                     result = fn(*args)
                     return result, _Done(side.record_event(), self.device)
 
-        return CommWork(self._pool.submit(run))
+        keep = tensors_in(args) if side is not None else None  # the CPU frees as it goes
+        return CommWork(self._pool.submit(run), keep)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-
-
-def used_here(tensors: list[torch.Tensor]) -> None:
-    """Mark CUDA tensors that a communication stream made as used by the current stream too,
-    before the caller uses (or frees) them there: their memory is then not reused until the work
-    queued here so far has run. Nothing on the CPU."""
-    for t in tensors:
-        if t.is_cuda and t.untyped_storage().nbytes():
-            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -227,7 +246,7 @@ class ShardedLayer:
     shards: list[nn.Parameter] = field(default_factory=list)
     full: list[nn.Parameter] = field(default_factory=list)
     bounds: list[list[tuple[int, int]]] = field(default_factory=list)  # per param, per rank
-    gather: CommWork | None = None  # the all-gather in flight or done; None: not gathered
+    gather: CommWork | None = None  # an all-gather in flight, or arrived and not copied out
     arrived: int = 0  # gradients of trainable parameters arrived in this backward
     reduced: bool = False  # this backward's reduce-scatter was submitted
     # full gradients of earlier micro-batches not yet reduced (per parameter, reduce dtype)
@@ -280,32 +299,29 @@ class ShardedLayer:
         """Bytes of the full parameters that hold memory now."""
         return sum(f.untyped_storage().nbytes() for f in self.full)
 
+    def unsharded_bytes(self) -> int:
+        """Bytes this layer holds unsharded now: its full parameters, and the buffer of an
+        all-gather in flight (or arrived and not yet copied out)."""
+        in_flight = sum(self.chunk_numels()) * self.full[0].element_size() if self.gather else 0
+        return self.full_bytes() + in_flight
+
+    def gather_buffer(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An empty buffer for :meth:`all_gather`, in the compute dtype (or ``dtype``), made on
+        the caller's stream: every rank's chunk, rank after rank."""
+        return torch.empty(sum(self.chunk_numels()), dtype=dtype or self.compute_dtype,
+                           device=self.full[0].device)
+
     # ------------------------------------------------------------ on the communication thread
-    def all_gather(self, into: list[torch.Tensor] | None = None) -> None:
-        """Gather every parameter whole into ``self.full``, in the compute dtype (runs on the
-        communication thread), or into the tensors ``into``, in their dtype (a full state
-        dict gathers the fp32 masters so)."""
-        if into is None:
-            for full in self.full:
-                if full.untyped_storage().nbytes() == 0:  # freed: memory again, same tensor
-                    full.untyped_storage().resize_(full.numel() * full.element_size())
-            into = [full.data for full in self.full]
-        sizes = self.chunk_numels()
-        flat = torch.empty(sum(sizes), dtype=into[0].dtype, device=into[0].device)
-        chunks = list(flat.split(sizes))
+    def all_gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """Fill ``flat`` (from :meth:`gather_buffer`) with every rank's chunk, this rank's cast
+        to its dtype (so the traffic is in the compute dtype), and return it. Runs on the
+        communication thread; :meth:`copy_out` then makes the full parameters of it."""
+        chunks = list(flat.split(self.chunk_numels()))
         mine = [s.detach().reshape(-1) for s in self.shards]
         chunks[self.rank].copy_(torch.cat(mine))  # the cast to the compute dtype is here
         if self.world_size > 1:
             ring_all_gather_(chunks, self.rank, self.group)
-        for k, chunk in enumerate(chunks):
-            offset = 0
-            for i, target in enumerate(into):
-                r0, r1 = self.bounds[i][k]
-                n = self._row_numel(i) * (r1 - r0)
-                if n:
-                    rows = target.view(-1, self._row_numel(i))[r0:r1]
-                    rows.copy_(chunk[offset : offset + n].view_as(rows))
-                offset += n
+        return flat
 
     def reduce_scatter(self, flat_grad: torch.Tensor, nonfinite: torch.Tensor) -> None:
         """Reduce-scatter the layer's gradients (laid out by :meth:`pack_grads`, in the reduce
@@ -347,6 +363,25 @@ class ShardedLayer:
         return chunk
 
     # ----------------------------------------------------------------------- main thread
+    def copy_out(self, flat: torch.Tensor, into: list[torch.Tensor] | None = None) -> None:
+        """Copy the rows of a gathered buffer into the full parameters (given memory again:
+        the same tensors autograd saved), or into the tensors ``into`` (a full state dict
+        gathers the fp32 masters so). On the compute stream, where the layer uses them."""
+        if into is None:
+            for full in self.full:
+                if full.untyped_storage().nbytes() == 0:  # freed: memory again, same tensor
+                    full.untyped_storage().resize_(full.numel() * full.element_size())
+            into = [full.data for full in self.full]
+        for k, chunk in enumerate(flat.split(self.chunk_numels())):
+            offset = 0
+            for i, target in enumerate(into):
+                r0, r1 = self.bounds[i][k]
+                n = self._row_numel(i) * (r1 - r0)
+                if n:
+                    rows = target.view(-1, self._row_numel(i))[r0:r1]
+                    rows.copy_(chunk[offset : offset + n].view_as(rows))
+                offset += n
+
     def has_grad(self, i: int) -> bool:
         """Whether parameter ``i`` got a gradient since the last reduce-scatter (in this
         backward or in a micro-batch accumulated before it)."""
@@ -403,8 +438,12 @@ class ShardedLayer:
             owner._parameters[attr] = full if on else shard
 
     def free(self) -> None:
-        """Give the full parameters' memory back (their tensor objects stay for autograd)."""
-        used_here([full.data for full in self.full])  # gathered on a side stream, used here
+        """Give the full parameters' memory back (their tensor objects stay for autograd), and
+        an all-gather's buffer once it has arrived. They were made on the compute stream, so
+        their memory is reused only by work queued there after what used them: no
+        ``record_stream`` (:class:`CommThread`)."""
+        if self.gather is not None:  # a prefetch nobody used: its buffer goes once it is in
+            self.gather.wait()
+            self.gather = None
         for full in self.full:
             full.untyped_storage().resize_(0)
-        self.gather = None

@@ -290,14 +290,15 @@ def timeline_on_rank(prefetch: bool, batch: int = 64, width: int = 1024,
     def timed(layer, kind, method):
         def run(*args):
             start = now()
-            method(*args)
+            result = method(*args)
             events.append((layer.name, kind, start, now()))
+            return result
         return run
 
     submit_gather = fsdp._gather
 
     def queued(layer) -> None:  # when a layer's all-gather is submitted (a prefetch: early)
-        if layer.gather is None:
+        if layer.gather is None and not layer.full_bytes():
             at = now()
             events.append((layer.name, "queued", at, at))
         submit_gather(layer)
