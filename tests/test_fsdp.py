@@ -606,16 +606,18 @@ def test_stream_overlap_sums_what_each_stream_ran_beside_compute():
     trace = {"events": [("compute", "matmul", "gemm", 0.0, 2.0),
                         ("compute", "other kernel", "add", 1.0, 3.0),  # merged: busy 0-3
                         ("all-gather", "copy", "Memcpy HtoD", 2.5, 4.0),  # 0.5 beside compute
-                        ("reduce-scatter", "other kernel", "add", 5.0, 6.0)]}  # none
+                        ("reduce-scatter", "other kernel", "add", 5.0, 6.0),  # none
+                        ("NCCL 7", "NCCL kernel", "ncclDevKernel_SendRecv", 5.5, 5.9)]}
     got = stream_overlap(trace)
-    assert got == {"compute busy": 3.0, "all-gather busy": 1.5, "reduce-scatter busy": 1.0,
-                   "step": 6.0, "all-gather beside compute": 0.5,
-                   "reduce-scatter beside compute": 0.0}
+    assert got == pytest.approx({
+        "compute busy": 3.0, "all-gather busy": 1.5, "reduce-scatter busy": 1.0,
+        "NCCL 7 busy": 0.4, "step": 6.0, "all-gather beside compute": 0.5,
+        "reduce-scatter beside compute": 0.0, "NCCL 7 beside compute": 0.0})
     import matplotlib.pyplot as plt
 
     fig = plot_stream_trace(trace, "synthetic")
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [
-        "compute stream", "all-gather stream", "reduce-scatter stream"]
+        "compute stream", "all-gather stream", "reduce-scatter stream", "NCCL's stream 7"]
     plt.close(fig)  # test_viz_ring checks that no figure is left open in this process
 
 

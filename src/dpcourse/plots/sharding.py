@@ -107,13 +107,22 @@ def plot_fsdp_timeline(timelines: Mapping[str, Sequence[tuple[str, str, float, f
     return fig
 
 
-_GPU_COLOURS = {"matmul": "tab:blue", "copy": "tab:orange", "other kernel": "tab:gray"}
+_GPU_COLOURS = {"matmul": "tab:blue", "copy": "tab:orange", "NCCL kernel": "tab:green",
+                "other kernel": "tab:gray"}
+
+
+def _stream_label(row: str) -> str:
+    """A trace row's label: "compute stream", "all-gather stream", "NCCL's stream 7"..."""
+    if row.startswith("NCCL "):
+        return f"NCCL's stream {row.split()[1]}"
+    return row if row.startswith("stream ") else f"{row} stream"
 
 
 def plot_stream_trace(trace: dict, title: str) -> Figure:
     """The GPU's work during one FSDP step, a row per CUDA stream (the compute stream, then the
-    communication thread's all-gather and reduce-scatter streams), each kernel or copy a bar
-    coloured by kind, from :func:`~dpcourse.harness.bench.fsdp.stream_trace_on_rank`. Chapter 9."""
+    communication thread's all-gather and reduce-scatter streams, then any other: NCCL's own,
+    where its kernels run), each kernel or copy a bar coloured by kind, from
+    :func:`~dpcourse.harness.bench.fsdp_streams.stream_trace_on_rank`. Chapter 9."""
     rows = list(dict.fromkeys(["compute", "all-gather", "reduce-scatter",
                                *(e[0] for e in trace["events"])]))
     fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(rows)), layout="constrained")
@@ -122,7 +131,7 @@ def plot_stream_trace(trace: dict, title: str) -> Figure:
         ax.barh(rows.index(row), max(end - start, 2e-6) * 1e3, left=start * 1e3, height=0.6,
                 color=_GPU_COLOURS.get(kind, "tab:gray"), label=None if kind in seen else kind)
         seen.add(kind)
-    ax.set_yticks(range(len(rows)), [f"{r} stream" for r in rows])
+    ax.set_yticks(range(len(rows)), [_stream_label(r) for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time since the step's first GPU work (ms)")
     fig.legend(fontsize=9, loc="outside lower center", ncol=3)  # off the bars

@@ -3,12 +3,14 @@ FSDP.
 
 On a GPU, :class:`dpcourse.sharding.fsdp.FSDP`'s communication thread queues the all-gathers and the
 reduce-scatters on CUDA streams of their own (:class:`dpcourse.sharding.fsdp_layer.CommThread`), so
-that the GPU can run them beside the layers' matmuls on the compute stream. This benchmark profiles
-one training step of the benchmark's MLP with ``torch.profiler`` on each rank's GPU, with and
-without prefetch, and reports how long each stream was busy and how long the communication
-streams were busy *while the compute stream was too* (:func:`stream_overlap`). It needs GPUs;
-chapter 9 plots its recorded result (``benchmarks/<gpu>/fsdp_streams.json``) where there are
-none.
+that the GPU can run them beside the layers' matmuls on the compute stream. Those streams carry the
+ring's copies and adds; with NCCL, the messages themselves are NCCL's kernels, which
+ProcessGroupNCCL queues on streams of its own (each waiting for the stream it was issued from):
+the trace names those rows "NCCL". This benchmark profiles one training step of the benchmark's
+MLP with ``torch.profiler`` on each rank's GPU, with and without prefetch, and reports how long
+each stream was busy and how long the communication streams were busy *while the compute stream
+was too* (:func:`stream_overlap`). It needs GPUs; chapter 9 plots its recorded result
+(``benchmarks/<gpu>/fsdp_streams.json``) where there are none.
 
 Chapter 9: FSDP's streams on a GPU.
 """
@@ -65,6 +67,8 @@ def _kind_of_gpu_work(name: str, category: str) -> str:
     lowered = name.lower()
     if category != "kernel" or lowered.startswith("memcpy"):
         return "copy"
+    if lowered.startswith("nccl"):
+        return "NCCL kernel"
     if any(k in lowered for k in ("gemm", "cutlass", "xmma", "matmul", "sm80_", "sm90_")):
         return "matmul"
     return "other kernel"
@@ -77,10 +81,13 @@ def stream_trace_on_rank(prefetch: bool = True, batch: int = 64, width: int = 10
     the layers' order, the second warms up), profiled with ``torch.profiler``.
 
     Returns ``{"device": ..., "backend": ..., "world_size": N, "events": [(row, kind, name,
-    start_s, end_s), ...]}``: row is "compute" (the stream the matmuls run on) or one of the
-    communication thread's streams, "all-gather" and "reduce-scatter"; kind is "matmul",
-    "copy" (memory copies and sets: where ranks share a GPU over gloo, a gather's chunks cross
-    through host memory) or "other kernel"; times are from the step's first GPU work. The trace
+    start_s, end_s), ...]}``: row is "compute" (the stream the matmuls run on), one of the
+    communication thread's streams, "all-gather" and "reduce-scatter" (the ring's copies and
+    adds), "NCCL <id>" (a stream of ProcessGroupNCCL's own, where NCCL's kernels run: the ring's
+    messages, with a GPU per rank) or "stream <id>" (any other); kind is "matmul", "NCCL
+    kernel", "copy" (memory copies and sets: where ranks share a GPU over gloo, a gather's
+    chunks cross through host memory) or "other kernel"; times are from the step's first GPU
+    work. The trace
     numbers streams its own way: before the step, one spin kernel on each stream, in the order
     of :data:`STREAM_ROWS`, names them. Chapter 9 plots it (:func:`stream_overlap` sums it)."""
     device = runtime.device()
@@ -127,7 +134,12 @@ def stream_trace_on_rank(prefetch: bool = True, batch: int = 64, width: int = 10
     after = markers[-1]["ts"] + markers[-1]["dur"] if markers else float("-inf")
     step_work = [e for e in work if e["ts"] > after]
     t0 = step_work[0]["ts"] if step_work else 0.0
-    events = [(rows.get(e["args"]["stream"], f"stream {e['args']['stream']}"),
+    nccl = {e["args"]["stream"] for e in step_work if e["name"].lower().startswith("nccl")}
+
+    def row_of(stream: int) -> str:
+        return rows.get(stream) or (f"NCCL {stream}" if stream in nccl else f"stream {stream}")
+
+    events = [(row_of(e["args"]["stream"]),
                _kind_of_gpu_work(e["name"], e["cat"]), e["name"][:80],
                (e["ts"] - t0) / 1e6, (e["ts"] + e["dur"] - t0) / 1e6) for e in step_work]
     info = runtime.current()
