@@ -3,8 +3,8 @@
 A cluster is ``nodes`` machines of ``k`` GPUs each: fast links inside a node (NVLink), a slower
 network between nodes. The ranks are numbered node-major, as torchrun and Slurm number them:
 ranks 0..k-1 on node 0, k..2k-1 on node 1, and so on (``world_size = nodes * k``); rank r is
-local rank ``r % k`` of node ``r // k``. :func:`hierarchical_all_reduce` runs, as NCCL's and
-Horovod's hierarchical all-reduce do:
+local rank ``r % k`` of node ``r // k``. :func:`hierarchical_all_reduce` runs, as Horovod's
+hierarchical all-reduce does (``HOROVOD_HIERARCHICAL_ALLREDUCE``):
 
 1. **reduce-scatter inside each node**, a ring over the node's k ranks: local rank i ends with
    chunk i of the node's sum (the tensor cut in k chunks, as ``tensor_split(k)`` cuts it);
@@ -16,6 +16,13 @@ The three rings are the course's own (:func:`~dpcourse.collectives.ring.reduce_s
 :func:`~dpcourse.collectives.ring.all_gather_`, run in the sub-groups of :func:`node_groups`),
 so the traffic goes through :mod:`.p2p` and is counted, and no library collective is called.
 :func:`dpcourse.cost.scaling.hierarchical_all_reduce_time` models the time it takes.
+
+NCCL does not run it. NCCL's ring algorithm is one flat ring through every rank (ordered so that
+it leaves and enters each node once, and run as several rings side by side, its channels), and
+its tree algorithm is a chain through the GPUs of each node with two binary trees across the
+nodes (NCCL 2.4's double binary trees), which NCCL picks for smaller messages and more nodes.
+Neither reduces inside the node first and then sends only 1/k across: that is Horovod's choice,
+and HSDP's (chapter 11).
 
 Chapter 10: the two-level all-reduce.
 """
