@@ -19,8 +19,15 @@
 #   unit-tests   only with GPU_UNIT=1 (after the notebooks) or GPU_UNIT=parallel (beside them where
 #                the GPU and the host have the memory, else after them): the unit tests but the
 #                gpu ones and the website's, on UNIT_JOBS workers (default 4)
-#   bench-allreduce, bench-ddp, bench-zero, bench-fsdp-streams   the benchmarks, as JSON files
-#                with machine, date, command (fsdp_streams: chapter 9's profiled step)
+#   bench-allreduce, bench-ddp, bench-zero, bench-fsdp-streams, bench-fsdp-offload   the
+#                benchmarks, as JSON files with machine, date, command (fsdp_streams: chapter 9's
+#                profiled step, NCCL's kernels on rows of their own; fsdp_offload: chapter 11's
+#                CPU offload, ours and fully_shard's, GPU and host memory and step time, on one
+#                rank with NCCL where there is one GPU)
+# What only a GPU can show of FSDP (issue 41) is in gpu-tests: tests/test_fsdp.py's peak of
+# torch.cuda.max_memory_allocated on 16 slow layers (the host running ahead must not make FSDP
+# hold more layers: memory freed by the streams' order, no record_stream) and
+# tests/test_fsdp_offload.py's model states off the GPU with CPUOffloadPolicy, ours and torch's.
 # Results: benchmarks/<gpu-name>-<count>/ (GPU_CHECK_RESULTS to change it): the benchmarks' JSON
 # files, environment.txt, a log per step, notebook-reports/ (each failing notebook's tracebacks)
 # and summary.md / summary.json (per step: status, passed/failed counts from pytest's last line,
@@ -277,8 +284,10 @@ publish() {  # the summary, and the copies for GPU_CHECK_OUT
   for f in summary.md summary.json environment.txt; do
     [[ -f $out/$f ]] && cp "$out/$f" "$GPU_CHECK_OUT/"
   done
-  # At most 8 files: the 3 above, the logs' tarball, and the benchmarks' JSON files (up to 4).
-  find "$out" -maxdepth 1 -name '*.json' ! -name summary.json | sort | head -n 4 |
+  # At most 8 files: the 3 above, the logs' tarball, and the benchmarks' JSON files (up to 4;
+  # fsdp_offload.json, the fifth, travels in the tarball).
+  find "$out" -maxdepth 1 -name '*.json' ! -name summary.json ! -name fsdp_offload.json | sort |
+    head -n 4 |
     while read -r f; do cp "$f" "$GPU_CHECK_OUT/"; done
   (cd "$out" && shopt -s nullglob && files=(*.log *.json *.txt *.md) &&
     { [[ ! -d notebook-reports ]] || files+=(notebook-reports); } && tar -czf "$tarball" -- "${files[@]}")
@@ -411,6 +420,9 @@ step bench-zero "$BENCH_TIMEOUT" "${bench[@]}" zero --world-sizes "$ranks" --rep
   --json "$out/zero.json"
 step bench-fsdp-streams "$BENCH_TIMEOUT" "${bench[@]}" fsdp_streams --world-size "$ranks" \
   --json "$out/fsdp_streams.json"
+offload_ranks=$(( gpus >= 2 ? gpus : 1 ))  # ranks sharing a GPU run gloo: fully_shard crashed there
+step bench-fsdp-offload "$BENCH_TIMEOUT" "${bench[@]}" fsdp_offload --world-size "$offload_ranks" \
+  --repeats 3 --json "$out/fsdp_offload.json"
 publish
 
 failed=$(awk -F'\t' '$2 != "passed" { printf " %s (%s)", $1, $2 }' "$steps")

@@ -106,6 +106,10 @@ class FSDP(nn.Module):
       ``dist.new_group`` that holds this rank), and sum each reduced chunk over
       ``replicate_group`` (the ranks that hold the same rows): hybrid sharding. By default every
       rank is in one shard group.
+
+    The shards may live on another device than the layers compute on (chapter 11's CPU offload,
+    :class:`dpcourse.sharding.fsdp_offload.OffloadedFSDP`): the all-gather copies them in, the
+    reduce-scatter's rows go back to where they are.
     """
 
     def __init__(self, module: nn.Module, *, layers: Iterable[str] | None = None,
@@ -388,7 +392,8 @@ class FSDP(nn.Module):
         grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel()]
         overflow = flags[0].bool()
         for g in grads:  # a tensor op, not `if overflow:`, which would wait for the GPU
-            g.view(-1)[:1].masked_fill_(overflow, float("nan"))
+            # (offloaded shards' gradients are on the host: the flag is copied there)
+            g.view(-1)[:1].masked_fill_(overflow.to(g.device), float("nan"))
         # torch's clip_grad_norm_ refuses them, and a GradScaler reads the flag (even where this
         # rank holds no rows)
         shard_grads.mark_shards(self._shards(), overflow)
@@ -412,7 +417,7 @@ class FSDP(nn.Module):
         whole = [p.grad for p in self.replicated if p.grad is not None]
         work = self.comm.submit(shard_grads.clip_grad_norm_, sharded, whole, max_norm,
                                 float(norm_type), self.shard_rank, self.shard_size,
-                                self.shard_group, stream="reduce-scatter")
+                                self.shard_group, self.device, stream="reduce-scatter")
         return work.wait()
 
     def _trainable(self) -> list[nn.Parameter]:

@@ -342,7 +342,8 @@ class ShardedLayer:
         offset = 0
         for i in self.trainable():
             shard = self.shards[i]
-            piece = mine[offset : offset + shard.numel()].view_as(shard).to(shard.dtype)
+            piece = mine[offset : offset + shard.numel()].view_as(shard)
+            piece = piece.to(shard.device, shard.dtype)  # offloaded shards: to the host
             offset += shard.numel()
             if shard.grad is None:
                 shard.grad = piece.clone()

@@ -98,23 +98,26 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def global_norm(sharded: list[torch.Tensor], whole: list[torch.Tensor], norm_type: float,
-                rank: int, size: int, group: Any = None) -> torch.Tensor:
+                rank: int, size: int, group: Any = None,
+                device: torch.device | None = None) -> torch.Tensor:
     """The ``norm_type``-norm of the model's gradient (a 0-dim fp32 tensor, the same on every
     rank of the group), as ``torch.nn.utils.clip_grad_norm_`` would compute it on the gradients
     whole: ``sharded``, this rank's rows of the sharded ones, summed (as powers, or their
     largest magnitude for the inf-norm) over the ``size`` ranks of ``group`` (this rank is
     ``rank`` in it; hybrid sharding: the node, whose other copies hold the same rows); ``whole``,
-    the gradients every rank holds whole, counted once. Every rank of the group must call it."""
+    the gradients every rank holds whole, counted once. Every rank of the group must call it.
+    ``device``: where the ranks exchange their parts (the collectives' device; by default the
+    gradients'), which offloaded shards' gradients are not."""
     inf = norm_type == float("inf")
-    device = (sharded or whole or [torch.zeros(())])[0].device
+    device = device or (sharded or whole or [torch.zeros(())])[0].device
 
     def part(grads: list[torch.Tensor]) -> torch.Tensor:
         grads = [_plain(g).float() for g in grads if g.numel()]
         if not grads:
             return torch.zeros((), device=device)
         if inf:
-            return torch.stack([g.abs().max() for g in grads]).max()
-        return sum(torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads)
+            return torch.stack([g.abs().max().to(device) for g in grads]).max()
+        return sum(torch.linalg.vector_norm(g, norm_type).to(device) ** norm_type for g in grads)
 
     parts = torch.zeros(size, device=device)  # every rank's part, gathered: one ring
     parts[rank] = part(sharded)
@@ -128,13 +131,14 @@ def global_norm(sharded: list[torch.Tensor], whole: list[torch.Tensor], norm_typ
 
 @torch.no_grad()
 def clip_grad_norm_(sharded: list[torch.Tensor], whole: list[torch.Tensor], max_norm: float,
-                    norm_type: float, rank: int, size: int, group: Any = None) -> torch.Tensor:
+                    norm_type: float, rank: int, size: int, group: Any = None,
+                    device: torch.device | None = None) -> torch.Tensor:
     """Scale every gradient (``sharded``: this rank's rows; ``whole``: those held whole) in
     place so that the model's gradient has a ``norm_type``-norm of at most ``max_norm``, by
     torch's formula (``max_norm / (norm + 1e-6)``, at most 1); returns the norm before
     clipping (:func:`global_norm`)."""
-    total = global_norm(sharded, whole, float(norm_type), rank, size, group)
+    total = global_norm(sharded, whole, float(norm_type), rank, size, group, device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in [*sharded, *whole]:
-        _plain(g).mul_(coef.to(g.dtype))
+        _plain(g).mul_(coef.to(g.device, g.dtype))
     return total
