@@ -208,3 +208,28 @@ def test_hsdp_refuses_a_layout_that_does_not_fit():
         return True
 
     assert all(run_ranks(on_rank, 4, backend="gloo", timeout=60))
+
+
+def _clip_on_rank(ranks_per_node: int) -> tuple[float, float]:
+    """One backward, then HSDP.clip_grad_norm_ (the head replicated): the norm it clips by, and
+    one process's on every rank's batch. The shards are added up over the node only: the other
+    nodes hold the same rows."""
+    from dpcourse.sharding.hsdp import HSDP
+
+    world = dist.get_world_size()
+    single = make_net()
+    xs, ys = zip(*(batch(0, r) for r in range(world)), strict=True)
+    nn.functional.mse_loss(single(torch.cat(xs)), torch.cat(ys)).backward()
+    want = nn.utils.clip_grad_norm_(single.parameters(), 0.05).item()
+    model = HSDP(make_net(), ranks_per_node, layers=LAYERS)
+    x, y = batch(0, dist.get_rank())
+    nn.functional.mse_loss(model(x), y).backward()
+    model.finish_gradient_synchronization()
+    got = model.clip_grad_norm_(0.05).item()
+    model.close()
+    return got, want
+
+
+def test_hsdp_clips_by_the_global_norm():
+    for got, want in run_ranks(_clip_on_rank, 4, 2, timeout=120):
+        assert got == pytest.approx(want, rel=1e-6) and want > 0.05
