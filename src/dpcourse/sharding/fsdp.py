@@ -415,9 +415,10 @@ class FSDP(nn.Module):
                                "fsdp.finish_gradient_synchronization() first")
         sharded = [s.grad for s in self._shards() if s.grad is not None]
         whole = [p.grad for p in self.replicated if p.grad is not None]
+        norm = torch.zeros((), device=self.device)  # made here, on the caller's stream
         work = self.comm.submit(shard_grads.clip_grad_norm_, sharded, whole, max_norm,
                                 float(norm_type), self.shard_rank, self.shard_size,
-                                self.shard_group, self.device, stream="reduce-scatter")
+                                self.shard_group, norm, stream="reduce-scatter")
         return work.wait()
 
     def _trainable(self) -> list[nn.Parameter]:

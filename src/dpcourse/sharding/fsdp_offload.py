@@ -16,9 +16,13 @@ Sharding divides the model states by N; offloading takes what is left off the GP
 So the GPU holds what a layer needs while it runs (its full parameters and gradients, the
 prefetched layer, the activations), and the host the rest: 4 + 4 + 8 bytes per parameter over N
 with fp32 Adam. The price is the copies over PCIe (two per parameter and step, each 1/N of the
-model) and an optimizer step at the CPU's speed. ``pin_memory`` keeps the shards in page-locked
-memory, which the copies need to run at the bus's speed (torch pins by default; a CPU-only build
-has nothing to pin for and skips it). Parameters outside the sharded layers stay on the device.
+model) and an optimizer step at the CPU's speed. Ours makes the copies the simple way: through
+pageable temporaries (the rows concatenated on the host, the averaged rows copied back with
+``.to``), which the host waits for, so that the optimizer can never change a shard that a copy
+still reads. ``fully_shard`` copies from page-locked memory without waiting and records events to
+wait on before the optimizer step: faster, and more to get right. ``pin_memory`` pins our shards
+as torch's field asks (a CPU-only build has nothing to pin for and skips it), though our copies
+do not make use of it. Parameters outside the sharded layers stay on the device.
 
 The core needs no branch for it: the all-gather's copy-in and the reduce-scatter's copy-out go to
 wherever the shards are (``tensor.to(shard.device)``), and the optimizer follows its parameters.

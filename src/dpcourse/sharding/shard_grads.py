@@ -132,13 +132,15 @@ def global_norm(sharded: list[torch.Tensor], whole: list[torch.Tensor], norm_typ
 @torch.no_grad()
 def clip_grad_norm_(sharded: list[torch.Tensor], whole: list[torch.Tensor], max_norm: float,
                     norm_type: float, rank: int, size: int, group: Any = None,
-                    device: torch.device | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Scale every gradient (``sharded``: this rank's rows; ``whole``: those held whole) in
     place so that the model's gradient has a ``norm_type``-norm of at most ``max_norm``, by
     torch's formula (``max_norm / (norm + 1e-6)``, at most 1); returns the norm before
-    clipping (:func:`global_norm`)."""
+    clipping (:func:`global_norm`), written into ``out`` (a 0-dim tensor on the collectives'
+    device, made by the caller, on its stream) if given."""
+    device = out.device if out is not None else None
     total = global_norm(sharded, whole, float(norm_type), rank, size, group, device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in [*sharded, *whole]:
         _plain(g).mul_(coef.to(g.device, g.dtype))
-    return total
+    return total if out is None else out.copy_(total)
