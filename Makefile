@@ -11,8 +11,9 @@
 #   make faults      faults injected into the emulated cluster, repeated and timed (as root)
 # For instructors:
 #   make student                          student website and notebooks, without solutions
-#   make grade SUBMISSIONS=dir OUT=f.csv  execute submitted notebooks, write a score table
-#              (and GRADESCOPE=dir, default gradescope/: a Gradescope results.json per notebook)
+#   make grade CHAPTER=7                  grade the notebooks in submissions/ (SUBMISSIONS=): scores,
+#              totals and a feedback page per student in grades/ (GRADES=), which git ignores;
+#              STUDENT=alice regrades one student
 # Uses the active virtual environment if there is one, else creates .venv here.
 
 PYTHON ?= python3
@@ -122,11 +123,14 @@ student-site: $(STAMP)
 student: $(STAMP) vendor $(EXECUTED)/chapters
 	$(MAKE) --no-print-directory student-site
 
+# The instructor guide's "Grading" says more (the assignment, points, students' names, Gradescope).
 SUBMISSIONS ?= submissions
-OUT ?= scores.csv
-GRADESCOPE ?= gradescope
+GRADES ?= grades
+CHAPTER ?=
+STUDENT ?=
 grade: $(STAMP)
-	$(BIN)/python -m dpcourse.harness.exercises grade $(SUBMISSIONS) --out $(OUT) --gradescope $(GRADESCOPE)
+	$(BIN)/python -m dpcourse.harness.exercises grade $(SUBMISSIONS) --out $(GRADES) \
+	  $(if $(CHAPTER),--chapter $(CHAPTER)) $(if $(STUDENT),--only $(STUDENT))
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests chapters

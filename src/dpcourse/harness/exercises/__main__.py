@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 from dpcourse.harness.exercises import exercise_numbers, grading, numbering, registry
@@ -39,14 +38,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--executed", default="_build/executed", help="the executed notebooks")
     p.add_argument("--out", default="_build/full", help="where to write it")
 
-    p = sub.add_parser("grade", help="execute submitted notebooks and write a score table")
-    p.add_argument("submissions", nargs="+", help="notebooks, or folders of them")
-    p.add_argument("--out", default="scores.csv", help="the CSV file to write")
-    p.add_argument(
-        "--gradescope",
-        metavar="DIR",
-        help="also write a Gradescope results.json per notebook under DIR",
-    )
+    p = sub.add_parser(
+        "grade", help="grade submitted notebooks: scores, totals and feedback per student")
+    p.add_argument("submissions", nargs="+",
+                   help="notebooks, or folders of them (a folder per student, or a file each)")
+    p.add_argument("--out", default="grades",
+                   help="the folder for scores.csv, totals.csv and feedback/ (default: grades, "
+                   "which the course's repository ignores)")
+    p.add_argument("--chapter", help="the assignment is this chapter's checked exercises "
+                   "(7, lab, bugs); a notebook of another chapter is refused")
+    p.add_argument("--exercises", help="the assignment is these exercises, by label or number, "
+                   "comma-separated (ex-7-buckets,7.3)")
+    p.add_argument("--points", action="append", default=[], metavar="EXERCISE=N",
+                   help="the points of an exercise (1 unless given); repeat for each")
+    p.add_argument("--student", help="every notebook given is this student's (an autograder's "
+                   "one submission)")
+    p.add_argument("--student-pattern", metavar="REGEX",
+                   help="the student is this regular expression's first group, found in the "
+                   "notebook's path below the folder given (^([^_]+)_ for alice_07_ddp.ipynb); "
+                   "default: the folder below the one given, else the file's name")
+    p.add_argument("--only", metavar="STUDENT",
+                   help="regrade this student alone: their rows replace theirs in the existing "
+                   "scores.csv, everyone else's are kept")
+    p.add_argument("--course-code-counts", action="store_true",
+                   help="score answers that are, or call, the course's own function for the "
+                   "exercise (by default they are reported and get no points)")
     p.add_argument(
         "--gradescope-file",
         metavar="FILE",
@@ -100,25 +116,39 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {nb}")
     elif args.command == "grade":
         try:
-            rows = grading.grade(
-                [Path(s) for s in args.submissions], args.timeout, args.cell_timeout, args.jobs
-            )
+            assignment = None
+            points = {}
+            for item in args.points:
+                label, _, value = item.partition("=")
+                try:
+                    points[label] = float(value)
+                except ValueError:
+                    raise ValueError(f"--points takes EXERCISE=N, got {item!r}") from None
+            if args.chapter or args.exercises or points:
+                exercises = [e.strip() for e in (args.exercises or "").split(",") if e.strip()]
+                numbered = {str(numbering.number_of(label)): label for label in registry()}
+                points = {numbered.get(k, k): v for k, v in points.items()}
+                assignment = grading.Assignment.of(args.chapter, exercises, points)
+            submissions = grading.find_submissions(
+                [Path(s) for s in args.submissions], args.student, args.student_pattern)
+            if args.only is not None:
+                submissions = [s for s in submissions if s.student == args.only]
+                if not submissions:
+                    raise ValueError(f"no notebook of the student {args.only!r} among the "
+                                     "submissions given")
+            rows = grading.grade(submissions, assignment, args.timeout, args.cell_timeout,
+                                 args.jobs, args.course_code_counts)
         except (ValueError, FileNotFoundError) as exc:
             parser.error(f"grade: {exc}")
-        grading.write_csv(rows, Path(args.out))
-        if args.gradescope:
-            grading.write_gradescope(rows, Path(args.gradescope))
+        written = grading.write_records(rows, Path(args.out), assignment, args.only)
         if args.gradescope_file:
             target = Path(args.gradescope_file)
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(json.dumps(grading.gradescope_results(rows), indent=1) + "\n")
-        totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for r in rows:
-            totals[r.submission][0] += r.score
-            totals[r.submission][1] += 1
-        for name, (score, count) in totals.items():
-            print(f"{score}/{count}  {name}")
-        print(f"scores written to {args.out}")
+            target.write_text(
+                json.dumps(grading.gradescope_results(rows, assignment), indent=1) + "\n")
+        for student, t in grading.totals(rows, assignment).items():
+            print(f"{t['total']:g}/{t['max']:g}  {student}")
+        print(f"scores, totals and feedback written to {written[0].parent}")
     elif args.command == "numbers":
         try:
             numbers = numbering.numbers_in_book(Path(args.root))

@@ -71,7 +71,9 @@ def server_pid() -> int | None:
     return _server_pid
 
 
-def _ensure_server() -> None:
+def ensure_server() -> None:
+    """Start the fork server now, if it is not running (it starts at the first fork anyway):
+    a caller that will fork soon lets the server import torch while it does other work."""
     global _server_environment, _server_pid
 
     if _server_environment is None:
@@ -145,14 +147,23 @@ def start_rank(
             start_new_session=True,
         )
 
-    _ensure_server()
-    status, data = forkserver.connect_to_new_process([fd, stdout, stderr])
+    return fork_from_server(_ForkedStart(env), [fd, stdout, stderr])
+
+
+def fork_from_server(start: object, fds: list[int]) -> ForkedRank:
+    """Fork a child of the fork server (started here if need be) that runs
+    ``start._bootstrap()``, where ``start`` is a picklable object and the child gets its copies
+    of the descriptors ``fds`` from ``multiprocessing.forkserver.get_inherited_fds()``. Ranks
+    are started so (:func:`start_rank`), and the grader's processes that run a learner's code
+    (:mod:`dpcourse.harness.exercises.player`). The caller keeps and closes its own copies."""
+    ensure_server()
+    status, data = forkserver.connect_to_new_process(fds)
     try:
         with open(data, "wb", closefd=True) as f:
             # multiprocessing's preparation data, without the caller's __main__ (which a
             # multiprocessing Process would re-import in the child): the path and the directory.
             reduction.dump({"sys_path": sys.path, "dir": os.getcwd()}, f)
-            reduction.dump(_ForkedStart(env), f)
+            reduction.dump(start, f)
         pid = forkserver.read_signed(status)
     except BaseException:
         os.close(status)
