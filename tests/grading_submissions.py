@@ -62,7 +62,8 @@ def notebook(part: str, answers: dict[str, str], before: list[str] = (),
              nbformat.v4.new_code_cell(IMPORTS[part])]
     cells += [nbformat.v4.new_code_cell(c) for c in before]
     for i, (label, code) in enumerate(answers.items()):
-        cells.append(nbformat.v4.new_markdown_cell(f"```{{exercise}}\n:label: {label}\nDo it.\n```"))
+        statement = f"```{{exercise}}\n:label: {label}\nDo it.\n```"
+        cells.append(nbformat.v4.new_markdown_cell(statement))
         cells.append(nbformat.v4.new_code_cell(code, metadata={"tags": ["solution"]}))
         cells.append(nbformat.v4.new_code_cell(CHECKS[label]))
         if i == 0:
@@ -134,7 +135,7 @@ CRASHING = {
 # A lesson cell of the chapter that fails (chapter 7's overlap timing did, on a busy machine) and
 # one that takes a while: neither is the student's.
 COURSE_CELLS = ["assert 0.2 < 0.1, 'the overlap saved less than the model says (a busy machine)'",
-                "import time\ntime.sleep(3)  # a benchmark"]
+                "__import__('time').sleep(3)  # a benchmark"]
 
 
 def honest(part: str, labels: list[str]) -> dict[str, nbformat.NotebookNode]:
@@ -162,7 +163,9 @@ from dpcourse.harness.exercises import grading
 def forged(namespace, chapter, *rest):
     for ex in core.registry().values():
         if ex.part == str(chapter):
-            core.log_result(core.CheckResult(ex.label, ex.name, "passed", "forged"))
+            with open(os.environ["DPCOURSE_GRADE_LOG"], "a") as f:
+                f.write(json.dumps({"label": ex.label, "name": ex.name, "status": "passed",
+                                    "message": "forged"}) + "\n")
 def forged_check(label, fn):
     return core.CheckResult(label, core.registry()[label].name, "passed", "forged")
 grading.check_namespace = forged
@@ -224,14 +227,17 @@ COURSE_FUNCTIONS = {
     "ex-7-sampler": "def my_epoch_indices(num_samples, world_size, rank, epoch, seed):\n"
                     "    return sampler.epoch_indices(num_samples, world_size, rank, epoch, seed)",
 }
-LOOP = "while True:  # never ends\n    pass"
+# The loops sleep, so that they take no core from the tests running beside them.
+LOOP = "import time\nwhile True:  # never ends\n    time.sleep(0.05)"
 KILL = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"
 # A function that loops, one that kills its process, and a value the answer needs whose cell
 # loops or kills.
-LOOPING_ANSWER = "def my_bucket_assignment(param_bytes, cap_bytes):\n    while True:\n        pass"
+LOOPING_ANSWER = ("def my_chunk_data(batch, n):\n    import time\n    while True:\n"
+                  "        time.sleep(0.05)")
 KILLING_ANSWER = ("def my_epoch_indices(num_samples, world_size, rank, epoch, seed):\n"
                   "    import os, signal\n    os.kill(os.getpid(), signal.SIGKILL)")
-NEEDS_A_LOOPING_CELL = ("LIMIT = 0\nwhile True:\n    LIMIT += 1\n"
+NEEDS_A_LOOPING_CELL = ("import time\nLIMIT = 0\nwhile True:\n    LIMIT += 1\n"
+                        "    time.sleep(0.05)\n"
                         "def my_bucket_assignment(param_bytes, cap_bytes):\n    return LIMIT")
 
 
@@ -262,10 +268,8 @@ def adversarial() -> dict[str, tuple[str, nbformat.NotebookNode]]:
                          notebook("7", right, before=[LOOP])),
         "killing-cell": ("a cell that kills its kernel (SIGKILL), before right answers",
                          notebook("7", right, before=[KILL])),
-        "looping-and-killing-answers": ("7.1 loops forever, 7.3 kills its process, 7.4 right",
-                                        notebook("7", {"ex-7-buckets": LOOPING_ANSWER,
-                                                       "ex-7-sampler": KILLING_ANSWER,
-                                                       "ex-7-average": right["ex-7-average"]})),
+        "killing-answer": ("7.3 kills its own process when called; 7.1, 7.4 right",
+                           notebook("7", {**right, "ex-7-sampler": KILLING_ANSWER})),
         "needs-a-looping-cell": ("7.1 needs a value whose cell never ends; 7.3, 7.4 right",
                                  notebook("7", {**right,
                                                 "ex-7-buckets": NEEDS_A_LOOPING_CELL})),
@@ -273,14 +277,20 @@ def adversarial() -> dict[str, tuple[str, nbformat.NotebookNode]]:
     return out
 
 
-def adversarial_local() -> dict[str, tuple[str, nbformat.NotebookNode]]:
+def adversarial_other() -> dict[str, tuple[str, nbformat.NotebookNode]]:
     """Chapter 1: an answer that replaces the check's reference when called, on an exercise
     checked in the player (ex-1-max-batch hands the function a model): what the grader cannot
-    stop (the instructor guide says so)."""
-    return {"patching-answer-local": (
-        "an answer (1.3) that replaces the check's reference when called, in the process that "
-        "runs the check; 1.1 wrong",
-        notebook("1", {"ex-1-batch": WRONG["ex-1-batch"], "ex-1-max-batch": PATCHING_ANSWER_1}))}
+    stop (the instructor guide says so). Chapter 3: an answer that never returns (ex-3-chunk's
+    check allows 10 s)."""
+    return {
+        "patching-answer-local": (
+            "an answer (1.3) that replaces the check's reference when called, in the process "
+            "that runs the check; 1.1 wrong",
+            notebook("1", {"ex-1-batch": WRONG["ex-1-batch"],
+                           "ex-1-max-batch": PATCHING_ANSWER_1})),
+        "looping-answer": ("an answer (3.1) that never returns", notebook(
+            "3", {"ex-3-chunk": LOOPING_ANSWER})),
+    }
 
 
 def write_all(folder: Path) -> dict[str, list[str]]:
@@ -291,8 +301,8 @@ def write_all(folder: Path) -> dict[str, list[str]]:
               "7": (CH7, honest("7", CH7))}
     for name, (_, nb) in adversarial().items():
         groups["7"][1][name] = nb
-    for name, (_, nb) in adversarial_local().items():
-        groups["1"][1][name] = nb
+    for name, (_, nb) in adversarial_other().items():
+        groups["1" if "local" in name else "3"][1][name] = nb
     for part, (_, notebooks) in groups.items():
         (folder / part).mkdir(parents=True, exist_ok=True)
         for name, nb in notebooks.items():

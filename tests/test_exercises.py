@@ -1,9 +1,7 @@
-"""The exercise framework: checks, the student edition, grading."""
+"""The exercise framework: checks and the student edition (grading: tests/test_grading*.py)."""
 
 from __future__ import annotations
 
-import csv
-import json
 import re
 import textwrap
 from pathlib import Path
@@ -12,7 +10,7 @@ import nbformat
 import pytest
 import torch
 
-from dpcourse.harness.exercises import check, core, grading, registry, run_check
+from dpcourse.harness.exercises import check, core, registry, run_check
 from dpcourse.harness.exercises.core import Mismatch, call_learner, expect_close
 from dpcourse.harness.exercises.student import (
     make_student_edition,
@@ -197,174 +195,3 @@ def test_student_notebooks_contain_no_solution(tmp_path):
         assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
     config = (tmp_path / "student" / "_config.yml").read_text()
     assert "hide_solutions: true" in config and "(student edition)" in config
-
-
-# ----------------------------------------------------------------------------------- grading
-def chapter1_submission(body: str) -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nb.cells = [
-        nbformat.v4.new_markdown_cell("```{exercise} x\n:label: ex-1-max-batch\n```"),
-        nbformat.v4.new_code_cell(
-            "from dpcourse.one_device import memory\nfrom dpcourse.harness.exercises import check"
-        ),
-        *[nbformat.v4.new_code_cell(textwrap.dedent(c)) for c in body.split("# ---\n")],
-    ]
-    return nb
-
-
-RIGHT = """
-def growth_when_batch_doubles():
-    return {"parameters": 1, "gradients": 1, "optimizer_state": 1, "activations": 2}
-# ---
-def my_max_batch_size(model, sample, gpu_memory_bytes, optimizer="adam"):
-    return memory.max_batch_size(model, sample, gpu_memory_bytes, optimizer)
-"""
-WRONG = """
-def growth_when_batch_doubles():
-    return {"parameters": 2, "gradients": 2, "optimizer_state": 2, "activations": 2}
-# ---
-def my_max_batch_size(model, sample, gpu_memory_bytes, optimizer="adam"):
-    return 1 + memory.max_batch_size(model, sample, gpu_memory_bytes, optimizer)
-# ---
-# the learner's own check cell is tampered with: the grader runs its own checks
-check.max_batch_size = lambda fn: print("PASSED!!!")
-"""
-CRASHES = """
-def growth_when_batch_doubles():
-    return {"parameters": 1, "gradients": 1, "optimizer_state": 1, "activations": 2}
-# ---
-import os
-os._exit(1)  # the kernel dies
-"""
-BLANK = """
-def growth_when_batch_doubles():
-    raise NotImplementedError  # the student edition's stub, untouched
-# ---
-def my_max_batch_size(model, sample, gpu_memory_bytes, optimizer="adam"):
-    raise NotImplementedError
-"""
-LOOPS_AND_DELETES = """
-import glob, os
-for f in glob.glob(os.environ["SUBMISSIONS"] + "/*.ipynb"):
-    os.remove(f)
-# ---
-def my_max_batch_size(model, sample, gpu_memory_bytes, optimizer="adam"):
-    return memory.max_batch_size(model, sample, gpu_memory_bytes, optimizer)
-# ---
-import time
-while True:  # never ends (asleep, so that it does not take a core from the other tests)
-    time.sleep(0.05)
-"""
-
-
-@pytest.mark.slow
-def test_grading_a_folder(tmp_path, monkeypatch):
-    subs = tmp_path / "submissions"
-    subs.mkdir()
-    for name, body in [
-        ("a_right", RIGHT),
-        ("b_wrong", WRONG),
-        ("c_crashes", CRASHES),
-        ("d_loops_and_deletes", LOOPS_AND_DELETES),
-        ("f_blank", BLANK),
-    ]:
-        nbformat.write(chapter1_submission(body), subs / f"{name}.ipynb")
-    (subs / "e_not_a_notebook.ipynb").write_text("{ this is not json")
-    monkeypatch.setenv("SUBMISSIONS", str(subs))
-
-    rows = grading.grade([subs], timeout=120, cell_timeout=10, jobs=4)
-    out = tmp_path / "out" / "scores.csv"
-    grading.write_csv(rows, out)
-    table = {(Path(r["submission"]).stem, r["exercise"]): r for r in csv.DictReader(open(out))}
-    # rows come in the order of the files, whichever finished first
-    assert [Path(r.submission).stem for r in rows] == sorted(Path(r.submission).stem for r in rows)
-
-    def status(sub, ex):
-        return table[(sub, ex)]["status"], table[(sub, ex)]["message"]
-
-    assert status("a_right", "ex-1-batch")[0] == "passed"
-    assert status("a_right", "ex-1-max-batch")[0] == "passed"
-    s, msg = status("b_wrong", "ex-1-batch")
-    assert s == "failed" and "parameters" in msg
-    s, msg = status("b_wrong", "ex-1-max-batch")
-    assert s == "failed" and "expected" in msg
-    s, msg = status("c_crashes", "ex-1-batch")
-    assert s == "not run" and "could not be run" in msg
-    # the loop is interrupted after 10 s; the function above it is still graded
-    assert status("d_loops_and_deletes", "ex-1-max-batch")[0] == "passed"
-    s, msg = status("d_loops_and_deletes", "ex-1-batch")
-    assert s == "missing" and "growth_when_batch_doubles" in msg
-    assert table[("e_not_a_notebook", "-")]["status"] == "not run"
-    assert status("f_blank", "ex-1-batch")[0] == "not attempted"
-    scores = {k: int(r["score"]) for k, r in table.items()}
-    assert sum(v for (sub, _), v in scores.items() if sub == "a_right") == 2
-    assert sum(v for (sub, _), v in scores.items() if sub != "a_right") == 1
-
-    # the same rows as Gradescope's results.json, one per notebook (make grade writes both)
-    written = grading.write_gradescope(rows, tmp_path / "gradescope")
-    results = {p.parent.name: json.loads(p.read_text()) for p in written}
-    assert sorted(results) == ["a_right", "b_wrong", "c_crashes", "d_loops_and_deletes",
-                               "e_not_a_notebook", "f_blank"]
-    for name, result in results.items():
-        assert result["score"] == sum(t["score"] for t in result["tests"]), name
-        for test in result["tests"]:
-            assert test["max_score"] == 1 and test["status"] in ("passed", "failed"), name
-            assert test["score"] == int(test["status"] == "passed"), name
-            assert test["output"].startswith(table[(name, test["name"])]["status"]), name
-
-    def tests_of(name):
-        return {t["name"]: (t["score"], t["output"]) for t in results[name]["tests"]}
-
-    assert results["a_right"]["score"] == 2 and len(results["a_right"]["tests"]) == 2
-    assert tests_of("f_blank")["ex-1-batch"] == (0, "not attempted: " +
-                                                 table[("f_blank", "ex-1-batch")]["message"])
-    score, output = tests_of("b_wrong")["ex-1-max-batch"]
-    assert score == 0 and output.startswith("failed:") and "expected" in output
-    score, output = tests_of("c_crashes")["ex-1-batch"]
-    assert score == 0 and output.startswith("not run:") and "could not be run" in output
-    assert results["e_not_a_notebook"]["tests"] == []  # no chapter: nothing to score
-    assert "not a notebook" in results["e_not_a_notebook"]["output"]
-    assert results["b_wrong"]["output"].startswith("0/2 checked exercises passed")
-
-
-def test_grade_command_writes_gradescope_results(tmp_path, monkeypatch, capsys):
-    """`grade --gradescope DIR` (make grade) writes a results.json per notebook;
-    `--gradescope-file FILE` (an autograder's run_autograder) one for everything graded."""
-    from dpcourse.harness.exercises.__main__ import main
-
-    rows = [
-        grading.GradeRow(str(tmp_path / "s" / "01.ipynb"), 1, "ex-1-batch", "passed", 1, ""),
-        grading.GradeRow(str(tmp_path / "s" / "01.ipynb"), 1, "ex-1-max-batch", "failed", 0, "no"),
-        grading.GradeRow(str(tmp_path / "s" / "x" / "07.ipynb"), 7, "-", "not run", 0, "why"),
-    ]
-    monkeypatch.setattr(grading, "grade", lambda *args: rows)
-    out = tmp_path / "out"
-    assert main(["grade", "s", "--out", str(out / "scores.csv"), "--gradescope", str(out / "gs"),
-                 "--gradescope-file", str(out / "results" / "results.json")]) == 0
-    one = json.loads((out / "gs" / "01" / "results.json").read_text())
-    assert one["score"] == 1 and [t["name"] for t in one["tests"]] == ["ex-1-batch",
-                                                                       "ex-1-max-batch"]
-    assert one["tests"][1] == {"name": "ex-1-max-batch", "score": 0, "max_score": 1,
-                               "status": "failed", "output": "failed: no"}
-    other = json.loads((out / "gs" / "x" / "07" / "results.json").read_text())
-    assert other["tests"] == [] and "07.ipynb: why" in other["output"]
-    combined = json.loads((out / "results" / "results.json").read_text())
-    assert combined["score"] == 1 and combined["tests"][0]["name"] == "ex-1-batch (01.ipynb)"
-    assert "1/2  " in capsys.readouterr().out
-
-
-def test_grading_a_folder_skips_hidden_folders(tmp_path, monkeypatch):
-    """An uploaded folder's .ipynb_checkpoints/ copies are not graded a second time."""
-    for name in ("01.ipynb", "sub/07.ipynb", ".ipynb_checkpoints/01-checkpoint.ipynb"):
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("{}")
-    seen = []
-    monkeypatch.setattr(grading, "_grade_one", lambda name, *args: seen.append(name) or [])
-    grading.grade([tmp_path])
-    assert sorted(Path(n).relative_to(tmp_path).as_posix() for n in seen) == ["01.ipynb",
-                                                                             "sub/07.ipynb"]

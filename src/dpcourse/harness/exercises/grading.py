@@ -218,8 +218,7 @@ class _Judge:
     def __init__(self) -> None:
         self.home = Path(tempfile.mkdtemp(prefix="dpcourse-grader-"))
         self.log = open(self.home / "judge.log", "wb")
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("DPCOURSE_CHECKS_STRICT", "DPCOURSE_GRADE_LOG")}
+        env = {k: v for k, v in os.environ.items() if k != "DPCOURSE_CHECKS_STRICT"}
         # -I: neither the working folder nor PYTHONPATH on the path, so that no file a
         # submission writes can stand in for a module the judge imports later.
         self.proc = subprocess.Popen(

@@ -79,7 +79,7 @@ LOCAL_MARGIN = 30.0
 MAX_MESSAGE_BYTES = 64 * 2**20  # one reply of a player; more is not an answer
 OUTPUT_TAIL = 2000  # characters of what the learner's code printed, kept for the feedback
 # The grader's own settings, which a learner's process must not inherit.
-GRADER_ENV = ("DPCOURSE_CHECKS_STRICT", "DPCOURSE_GRADE_LOG", "DPCOURSE_KEEP_RANKS")
+GRADER_ENV = ("DPCOURSE_CHECKS_STRICT", "DPCOURSE_KEEP_RANKS")
 
 
 class _Unsendable(BaseException):
@@ -100,9 +100,6 @@ class Verdict:
     problems: list[str] = field(default_factory=list)  # errors in those cells
     output: str = ""  # the end of what the learner's code printed
     course_code: str = ""  # the course function the answer is or calls, if any
-
-    def result(self) -> CheckResult:
-        return CheckResult(self.label, registry()[self.label].name, self.status, self.message)
 
 
 # ------------------------------------------------------------------------------------ players

@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dpcourse.harness.exercises import learner_data
+from dpcourse.harness.launch import forkserver
 
 __all__ = ["serve", "learner_error", "ForkedPlayer"]
 
@@ -105,6 +106,9 @@ def serve(sock_fd: int, out_fd: int) -> int:
 
         registry()
         run_check = _run_check
+        # Ranks the check starts fork from a copy of this process as it is now, before the
+        # learner's code: it has torch imported already.
+        forkserver.fork_server_here(close_fds=(sock_fd,))
 
     module = types.ModuleType("__main__")  # what a notebook's kernel runs in: cloudpickle
     module.__dict__["__builtins__"] = builtins  # sends its functions to ranks by value
@@ -164,9 +168,9 @@ class ForkedPlayer:
     two descriptors it inherited."""
 
     def _bootstrap(self, parent_sentinel: int | None = None) -> int:
-        from multiprocessing import forkserver  # import here: only a forked child needs it
+        from multiprocessing import forkserver as server  # import here: a forked child's
 
-        sock_fd, out_fd = forkserver.get_inherited_fds()
+        sock_fd, out_fd = server.get_inherited_fds()
         return serve(sock_fd, out_fd)
 
 

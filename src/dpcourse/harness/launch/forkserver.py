@@ -29,6 +29,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 from multiprocessing import forkserver, reduction
@@ -82,6 +83,47 @@ def ensure_server() -> None:
     pid = forkserver._forkserver._forkserver_pid
     if pid != _server_pid:  # first start, or the server died and multiprocessing restarted it
         _server_pid, _server_environment = pid, _import_time_environment()
+
+
+def fork_server_here(close_fds: tuple[int, ...] = ()) -> bool:
+    """Make this process's fork server a fork of the process itself, not a fresh interpreter
+    that imports torch again (about 2 s here): for a process that has torch imported, runs no
+    other thread and has not yet run code it does not trust, such as the grader's player
+    (:mod:`dpcourse.harness.exercises.player`) before a learner's code, whose ranks then start
+    at once. The server closes ``close_fds`` (so that ranks do not hold them). False, doing
+    nothing, where a server runs already or multiprocessing's differs from Python 3.10-3.12's
+    (3.13 authenticates its clients)."""
+    global _server_environment, _server_pid
+    from multiprocessing import connection, resource_tracker, util  # import here: rarely used
+
+    server = forkserver._forkserver
+    if (start_method() != "forkserver" or server._forkserver_pid is not None
+            or hasattr(server, "_forkserver_authkey")):
+        return False
+    forkserver.set_forkserver_preload(PRELOAD)  # what a restarted server would load
+    resource_tracker.ensure_running()
+    listener = socket.socket(socket.AF_UNIX)
+    address = connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    if not util.is_abstract_socket_namespace(address):
+        os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the server: multiprocessing's own loop, as a spawned server runs it
+        try:
+            os.close(alive_w)
+            for fd in close_fds:
+                os.close(fd)
+            forkserver.main(listener.fileno(), alive_r, [])
+        finally:
+            os._exit(1)
+    os.close(alive_r)
+    listener.close()
+    server._forkserver_address, server._forkserver_alive_fd = address, alive_w
+    server._forkserver_pid = _server_pid = pid
+    _server_environment = _import_time_environment()
+    return True
 
 
 class _ForkedStart:
