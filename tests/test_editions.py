@@ -16,6 +16,7 @@ from dpcourse.harness.exercises.student import (
     make_executed_edition,
     make_student_edition,
     student_notebook,
+    unlink_instructor_pages,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +98,19 @@ def test_editions_need_an_executed_copy_of_every_current_notebook(tmp_path):
         make_student_edition(ROOT, tmp_path / "student", executed)
     with pytest.raises(ValueError, match="folder of its own"):
         copy_book(ROOT, ROOT)
+
+
+def test_the_student_edition_leaves_out_the_instructor_guide(tmp_path):
+    """How grading works is for instructors: the student edition has no instructor guide, its
+    table of contents does not list it, and the introduction's link to it keeps only its text."""
+    make_student_edition(ROOT, tmp_path / "student")
+    chapters = tmp_path / "student" / "chapters"
+    assert (ROOT / "chapters" / "instructor_guide.md").exists()
+    assert not list(chapters.glob("instructor_guide.*"))
+    toc = (tmp_path / "student" / "_toc.yml").read_text()
+    assert "instructor_guide" not in toc and "chapters/glossary" in toc
+    intro = (chapters / "intro.ipynb").read_text()
+    assert "<instructor_guide>" not in intro and "| A–F | Instructor guide, {doc}`glossary" in intro
+    assert unlink_instructor_pages("see {doc}`the guide <../chapters/instructor_guide>` and "
+                                   "{doc}`instructor_guide`, {doc}`glossary`") == (
+        "see the guide and instructor guide, {doc}`glossary`")

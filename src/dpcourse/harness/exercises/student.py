@@ -9,7 +9,9 @@
 * in code, the lines between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` become
   ``raise NotImplementedError(...)``, so the learner's function keeps its name and signature and
   its check reports "not attempted" until it is written;
-* the ``hide-input`` tag of solution cells is dropped.
+* the ``hide-input`` tag of solution cells is dropped;
+* the instructor guide (:data:`INSTRUCTOR_PAGES`), which says how grading works, is left out,
+  with its entry in the table of contents; links to it keep their text.
 
 Its notebooks are the hand-outs, saved without outputs. With ``--executed DIR`` (the notebooks
 as ``make notebooks`` ran them) it also writes the sources of the student website, rendered
@@ -42,9 +44,15 @@ __all__ = [
     "student_notebook",
     "make_student_edition",
     "solution_lines",
+    "unlink_instructor_pages",
 ]
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+# Pages for instructors (how grading works), which the student edition leaves out, with their
+# entries in the table of contents; a link to one keeps its text.
+INSTRUCTOR_PAGES = ("instructor_guide",)
+_INSTRUCTOR_LINK = re.compile(
+    r"\{doc\}`(?:(?P<text>[^`<]*?)\s*<(?P<target>[^`>]+)>|(?P<bare>[^`<]+))`")
 _CHECK_CALL = re.compile(r"^check\.(?P<name>\w+)\((?P<fn>\w+)\)$")
 _TOP_LEVEL_DEF = re.compile(r"^def (\w+)\(", re.M)
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|:{3,})\{solution\}")
@@ -69,6 +77,44 @@ def strip_solution_directives(text: str) -> str:
             i += 1
         i += 1  # the closing fence; an unclosed block runs to the end, like MyST reads it
     return re.sub(r"\n{3,}", "\n\n", "".join(out))
+
+
+def unlink_instructor_pages(text: str) -> str:
+    """``text`` with its links to :data:`INSTRUCTOR_PAGES` turned into their text."""
+
+    def plain(m: re.Match) -> str:
+        target = (m["target"] or m["bare"] or "").strip()
+        if Path(target).name not in INSTRUCTOR_PAGES:
+            return m[0]
+        return m["text"] or target.replace("_", " ")
+
+    return _INSTRUCTOR_LINK.sub(plain, text)
+
+
+def _without_instructor_pages(out: Path) -> None:
+    """Remove :data:`INSTRUCTOR_PAGES` from the edition at ``out`` and from its table of
+    contents."""
+    for name in INSTRUCTOR_PAGES:
+        for path in (out / "chapters").glob(f"{name}.*"):
+            path.unlink()
+    toc_path = out / "_toc.yml"
+    toc = yaml.safe_load(toc_path.read_text())
+
+    def keep(entries: list) -> list:
+        kept = []
+        for entry in entries:
+            page = Path(str(entry.get("file", ""))).name if isinstance(entry, dict) else ""
+            if page in INSTRUCTOR_PAGES:
+                continue
+            if isinstance(entry, dict):
+                for key in ("parts", "chapters", "sections"):
+                    if isinstance(entry.get(key), list):
+                        entry[key] = keep(entry[key])
+            kept.append(entry)
+        return kept
+
+    toc = keep([toc])[0]
+    toc_path.write_text(yaml.safe_dump(toc, sort_keys=False))
 
 
 def _not_written(label: str | None) -> str:
@@ -121,7 +167,7 @@ def student_notebook(nb: dict, keep_outputs: bool = False) -> dict:
         labels = _LABEL.findall(source)
         if cell["cell_type"] == "markdown":
             label = labels[-1] if labels else label
-            source = strip_solution_directives(source)
+            source = unlink_instructor_pages(strip_solution_directives(source))
             if not source.strip():
                 continue
         elif cell["cell_type"] == "code":
@@ -152,7 +198,7 @@ def student_notebook(nb: dict, keep_outputs: bool = False) -> dict:
 
 def _student_text_notebook(text: str) -> str:
     """A MyST markdown page or notebook (``.md``): directives and code markers alike."""
-    return strip_solution_code(strip_solution_directives(text))
+    return unlink_instructor_pages(strip_solution_code(strip_solution_directives(text)))
 
 
 def copy_book(
@@ -224,6 +270,7 @@ def make_student_edition(root: Path, out: Path, executed: Path | None = None) ->
     them when built); with it they keep that run's outputs (see :func:`student_notebook`).
     """
     written = copy_book(root, out, executed=executed, edition="student edition")
+    _without_instructor_pages(Path(out))
     config_path = Path(out) / "_config.yml"
     config = yaml.safe_load(config_path.read_text())
     config.setdefault("sphinx", {}).setdefault("config", {})["hide_solutions"] = True
