@@ -14,6 +14,7 @@
 #   make grade CHAPTER=7                  grade the notebooks in submissions/ (SUBMISSIONS=): scores,
 #              totals and a feedback page per student in grades/ (GRADES=), which git ignores;
 #              STUDENT=alice regrades one student
+#   make autograder CHAPTER=7             a Gradescope autograder for chapter 7: grades/autograder.zip
 # Uses the active virtual environment if there is one, else creates .venv here.
 
 PYTHON ?= python3
@@ -56,7 +57,7 @@ export PYTHONDONTWRITEBYTECODE :=
 # Where `make notebooks` keeps each notebook as it ran (the websites are rendered from these).
 EXECUTED := _build/executed
 
-.PHONY: setup vendor book notebooks site student grade test unit lint test-notebooks bench lab \
+.PHONY: setup vendor book notebooks site student grade autograder test unit lint test-notebooks bench lab \
 	clean browser-test gpu-check audit audit-quick audit-unit faults
 
 # Not --no-compile: it saves half a minute of install, but this machine sets
@@ -131,6 +132,10 @@ STUDENT ?=
 grade: $(STAMP)
 	$(BIN)/python -m dpcourse.harness.exercises grade $(SUBMISSIONS) --out $(GRADES) \
 	  $(if $(CHAPTER),--chapter $(CHAPTER)) $(if $(STUDENT),--only $(STUDENT))
+
+autograder: $(STAMP)
+	$(BIN)/python -m dpcourse.harness.exercises autograder --chapter $(CHAPTER) \
+	  --out $(GRADES)/autograder.zip
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests chapters

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -305,3 +306,57 @@ def test_student_data_stays_out_of_git():
     assert len(ignored.stdout.split()) == 4, ignored.stdout
     make = (ROOT / "Makefile").read_text()
     assert "GRADES ?= grades" in make and "--out $(GRADES)" in make
+
+
+def test_the_gradescope_autograder_installs_the_pins_and_names_the_assignment(
+        tmp_path, monkeypatch):
+    import shlex
+    import zipfile
+
+    from dpcourse.harness.exercises.__main__ import main
+
+    out = tmp_path / "autograder.zip"
+    assert main(["autograder", "--root", str(ROOT), "--chapter", "7", "--points", "7.6=3",
+                 "--out", str(out)]) == 0
+    z = zipfile.ZipFile(out)
+    names = z.namelist()
+    assert names[:2] == ["setup.sh", "run_autograder"]
+    assert "course/src/dpcourse/harness/exercises/grading.py" in names
+    assert "course/pyproject.toml" in names and not any("__pycache__" in n for n in names)
+    assert all(z.getinfo(n).external_attr >> 16 == 0o755 for n in names[:2])
+    (tmp_path / "course").mkdir()
+    (tmp_path / "course" / "requirements.txt").write_bytes(z.read("course/requirements.txt"))
+    setup = z.read("setup.sh").decode().replace("/autograder/source/course", str(tmp_path /
+                                                                                  "course"))
+    # Each package the script installs, at requirements.txt's pin: run its pin() on each name.
+    pin = next(line for line in setup.splitlines() if line.startswith("pin()"))
+    asked = re.findall(r'"\$\(pin (\w+)\)"', setup)
+    assert asked == ["torch", "numpy", "matplotlib", "cloudpickle", "ipykernel", "PyYAML"]
+    pinned = subprocess.run(["bash", "-c", pin + "; for p in " + " ".join(asked)
+                             + "; do pin $p; done"], capture_output=True, text=True).stdout
+    requirements = (ROOT / "requirements.txt").read_text()
+    assert pinned.split() == [re.search(rf"^{p}==\S+", requirements, re.M)[0] for p in asked]
+    for script in ("setup.sh", "run_autograder"):
+        assert subprocess.run(["bash", "-n", "-c", z.read(script).decode()]).returncode == 0
+    # run_autograder's command, as the grader's command line takes it
+    command = z.read("run_autograder").decode().split("python -m dpcourse.harness.exercises ")[1]
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:2] == ["grade", "/autograder/submission"]
+    seen = {}
+
+    def fake_grade(submissions, assignment, *rest):
+        seen.update(assignment=assignment, students={s.student for s in submissions})
+        return []
+
+    monkeypatch.setattr(grading, "grade", fake_grade)
+    (tmp_path / "submission").mkdir()
+    (tmp_path / "submission" / "07_ddp.ipynb").write_text("{}")
+    argv = [a.replace("/autograder/submission", str(tmp_path / "submission"))
+            .replace("/autograder/results", str(tmp_path / "results"))
+            .replace("/tmp/grades", str(tmp_path / "grades")) for a in argv]
+    assert main(argv) == 0
+    assert seen["students"] == {"submission"}
+    assert seen["assignment"].exercises == grading.Assignment.of("7").exercises
+    assert seen["assignment"].points_of("ex-7-bucketed-ddp") == 3
+    result = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert len(result["tests"]) == 5 and result["score"] == 0

@@ -1,5 +1,5 @@
 """Instructor commands: ``python -m dpcourse.harness.exercises
-{student,edition,grade,list,numbers}``.
+{student,edition,grade,autograder,list,numbers}``.
 
 Chapter 0: the course's tooling (appendix A, the instructor guide, explains it).
 """
@@ -12,7 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-from dpcourse.harness.exercises import exercise_numbers, grading, numbering, registry
+from dpcourse.harness.exercises import (
+    autograder,
+    exercise_numbers,
+    grading,
+    numbering,
+    registry,
+)
 from dpcourse.harness.exercises.student import make_executed_edition, make_student_edition
 
 
@@ -88,6 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         help="submissions graded at once (default: the CPU cores, at most 4)",
     )
 
+    p = sub.add_parser(
+        "autograder", help="write a Gradescope autograder (a zip) for one assignment")
+    p.add_argument("--root", default=".", help="the course's repository")
+    p.add_argument("--out", default="autograder.zip", help="the zip file to write")
+    p.add_argument("--chapter", help="the assignment is this chapter's checked exercises")
+    p.add_argument("--exercises", help="the assignment is these exercises, by label or number")
+    p.add_argument("--points", action="append", default=[], metavar="EXERCISE=N",
+                   help="the points of an exercise (1 unless given); repeat for each")
+    p.add_argument("--course-code-counts", action="store_true",
+                   help="score answers that are, or call, the course's own function")
+
     sub.add_parser("list", help="list the exercises that have checks, with their numbers")
 
     p = sub.add_parser(
@@ -114,21 +131,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{what} written to {args.out} ({len(notebooks)} notebooks)")
         for nb in notebooks:
             print(f"  {nb}")
+    elif args.command == "autograder":
+        try:
+            if not (args.chapter or args.exercises):
+                raise ValueError("name the assignment: --chapter or --exercises")
+            _assignment(args)  # a ValueError for an assignment that names nothing checked
+            forwarded = [*(["--chapter", args.chapter] if args.chapter else []),
+                         *(["--exercises", args.exercises] if args.exercises else []),
+                         *(a for item in args.points for a in ("--points", item)),
+                         *(["--course-code-counts"] if args.course_code_counts else [])]
+            names = autograder.write_autograder(Path(args.root), Path(args.out), forwarded)
+        except (ValueError, FileNotFoundError) as exc:
+            parser.error(f"autograder: {exc}")
+        print(f"{args.out}: setup.sh, run_autograder and the course's package "
+              f"({len(names) - 2} files); the instructor guide's Gradescope section says more")
     elif args.command == "grade":
         try:
-            assignment = None
-            points = {}
-            for item in args.points:
-                label, _, value = item.partition("=")
-                try:
-                    points[label] = float(value)
-                except ValueError:
-                    raise ValueError(f"--points takes EXERCISE=N, got {item!r}") from None
-            if args.chapter or args.exercises or points:
-                exercises = [e.strip() for e in (args.exercises or "").split(",") if e.strip()]
-                numbered = {str(numbering.number_of(label)): label for label in registry()}
-                points = {numbered.get(k, k): v for k, v in points.items()}
-                assignment = grading.Assignment.of(args.chapter, exercises, points)
+            assignment = _assignment(args)
             submissions = grading.find_submissions(
                 [Path(s) for s in args.submissions], args.student, args.student_pattern)
             if args.only is not None:
@@ -169,6 +188,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Exercise {ex.number or '?':<8} {ex.label:<22} "
                   f"check.{ex.name}({ex.function or '...'})")
     return 0
+
+
+def _assignment(args: argparse.Namespace) -> grading.Assignment | None:
+    """The assignment that ``--chapter``, ``--exercises`` and ``--points`` name, if any."""
+    points = {}
+    for item in args.points:
+        label, _, value = item.partition("=")
+        try:
+            points[label] = float(value)
+        except ValueError:
+            raise ValueError(f"--points takes EXERCISE=N, got {item!r}") from None
+    if not (args.chapter or args.exercises or points):
+        return None
+    exercises = [e.strip() for e in (args.exercises or "").split(",") if e.strip()]
+    numbered = {str(numbering.number_of(label)): label for label in registry()}
+    points = {numbered.get(k, k): v for k, v in points.items()}
+    return grading.Assignment.of(args.chapter, exercises, points)
 
 
 if __name__ == "__main__":
