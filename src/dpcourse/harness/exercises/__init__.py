@@ -27,8 +27,9 @@ How an exercise is written in a chapter notebook (chapter 1 is the model to copy
    wrong answers with a specific message.
 
 Commands (``python -m dpcourse.harness.exercises --help``): ``student`` writes the student edition
-of the book's sources, ``grade`` executes submitted notebooks and writes a score table (CSV),
-``numbers --write`` writes the exercises' numbers from the pages.
+of the book's sources, ``grade`` grades submitted notebooks (scores, totals and feedback per
+student: :mod:`~dpcourse.harness.exercises.grading`), ``autograder`` writes a Gradescope
+autograder, ``numbers --write`` writes the exercises' numbers from the pages.
 
 Chapter 0: the exercise checks of the whole course.
 """

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--course-code-counts", action="store_true",
                    help="score answers that are, or call, the course's own function")
 
-    sub.add_parser("list", help="list the exercises that have checks, with their numbers")
+    sub.add_parser("list", help="list the exercises that have checks, with their numbers and "
+                   "where the grader checks them")
 
     p = sub.add_parser(
         "numbers",
@@ -184,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
     else:
+        from dpcourse.harness.exercises.judge import JUDGED_APART  # import here: grading's
+
         for ex in registry().values():
+            where = "judged apart" if ex.label in JUDGED_APART else "checked in the player"
             print(f"Exercise {ex.number or '?':<8} {ex.label:<22} "
-                  f"check.{ex.name}({ex.function or '...'})")
+                  f"{'check.' + ex.name + '(' + (ex.function or '...') + ')':<58} {where}")
     return 0
 
 
