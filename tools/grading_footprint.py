@@ -3,9 +3,11 @@ limits (the instructor guide's Gradescope section quotes what this printed).
 
     python tools/grading_footprint.py -- python -m dpcourse.harness.exercises grade s.ipynb ...
 
-prints the wall-clock seconds and the peak of the summed resident memory of the command and its
-descendants (sampled every 0.1 s, so a peak shorter than that can be missed; RSS counts shared
-pages once per process, so the sum overstates what the machine needs a little).
+prints the wall-clock seconds and the peak memory of the command and its descendants, summed,
+sampled every 0.2 s (a peak shorter than that can be missed): as resident set sizes (RSS, which
+count the pages that processes forked from one another share once per process, so that their
+sum overstates what the machine needs) and as proportional set sizes (PSS, which share those
+pages out: what a container's memory limit sees, near enough).
 """
 
 from __future__ import annotations
@@ -26,23 +28,26 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     proc = subprocess.Popen(argv)
     root = psutil.Process(proc.pid)
-    peak = 0
+    peak_rss = peak_pss = 0
     while proc.poll() is None:
-        total = 0
+        rss = pss = 0
         try:
             for p in [root, *root.children(recursive=True)]:
                 try:
-                    total += p.memory_info().rss
+                    info = p.memory_full_info()
                 except (psutil.NoSuchProcess, psutil.AccessDenied):
-                    pass
+                    continue
+                rss += info.rss
+                pss += getattr(info, "pss", info.rss)
         except psutil.NoSuchProcess:
             break
-        peak = max(peak, total)
-        time.sleep(0.1)
+        peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+        time.sleep(0.2)
     rc = proc.wait()
     wall = time.monotonic() - started
-    print(f"footprint: {wall:.1f} s wall-clock, peak memory {peak / 2**20:.0f} MiB "
-          f"(the command and its processes, summed), exit status {rc}", file=sys.stderr)
+    print(f"footprint: {wall:.1f} s wall-clock, peak memory {peak_pss / 2**20:.0f} MiB PSS "
+          f"({peak_rss / 2**20:.0f} MiB RSS), the command and its processes summed; exit "
+          f"status {rc}", file=sys.stderr)
     return rc
 
 

@@ -76,6 +76,7 @@ JUDGED_APART = frozenset({
 # Seconds beyond a check's own limit that a player running it may take (rank start-up and
 # teardown) before the judge stops it.
 LOCAL_MARGIN = 30.0
+STARTUP_TIMEOUT = 120.0  # seconds for a player to be ready, before any of the learner's code
 MAX_MESSAGE_BYTES = 64 * 2**20  # one reply of a player; more is not an answer
 OUTPUT_TAIL = 2000  # characters of what the learner's code printed, kept for the feedback
 # The grader's own settings, which a learner's process must not inherit.
@@ -352,6 +353,14 @@ def judge_exercise(nb: Notebook, label: str, options: dict, deadline: float,
 def _run(player: Player, verdict: Verdict, cells: dict, ex, options: dict,
          deadline: float) -> None:
     cell_timeout = float(options.get("cell_timeout", 300))
+    try:
+        ready = player.receive(min(STARTUP_TIMEOUT, max(deadline - time.monotonic(), 0)))
+    except EOFError:
+        ready = None
+    if not ready or ready.get("event") != "ready":
+        verdict.status = "error"
+        verdict.message = "the grader could not start a process for this exercise; please report it"
+        return
     running = None
     while True:  # the cells the function needs, then whether it exists
         wait = min(cell_timeout, deadline - time.monotonic())

@@ -15,9 +15,9 @@ mode:
   modules and optimizers to change); the check's code is imported before any of the learner's
   runs.
 
-It reports as it goes (JSON messages): each cell it starts (so that the judge can stop a cell
-that runs too long and say which), each statement that raised, whether the function was defined,
-and the calls' results or the check's.
+It reports as it goes (JSON messages): that it is ready (set up, before the learner's code),
+each cell it starts (so that the judge can stop a cell that runs too long and say which), each
+statement that raised, whether the function was defined, and the calls' results or the check's.
 
 Chapter 0: the exercise checks of the whole course (grading).
 """
@@ -31,6 +31,7 @@ import io
 import json
 import linecache
 import os
+import resource
 import signal
 import sys
 import traceback
@@ -45,6 +46,7 @@ from dpcourse.harness.launch import forkserver
 __all__ = ["serve", "learner_error", "ForkedPlayer"]
 
 MESSAGE_CHARS = 600  # of an exception's text, in a message
+FILE_LIMIT = 64 * 2**20  # bytes of any file the learner's code writes, its output included
 
 
 def learner_error(exc: BaseException) -> dict[str, Any]:
@@ -98,6 +100,10 @@ def serve(sock_fd: int, out_fd: int) -> int:
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["dir"])
+    # No file it writes, its output included, grows past FILE_LIMIT: a print in a loop that
+    # never ends fails (OSError: File too large) instead of filling the grader's disk.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
     run_check = None
     if job["mode"] == "local":
         # The checks' code is loaded before any of the learner's runs.
@@ -119,6 +125,7 @@ def serve(sock_fd: int, out_fd: int) -> int:
         linecache.cache[code["filename"]] = (len(code["source"]), None,
                                              code["source"].splitlines(True), code["filename"])
         trees[cell] = ast.parse(code["source"], code["filename"])
+    _send(conn, event="ready")
     failed_cells = set()
     started = None
     for cell, k in job["statements"]:
