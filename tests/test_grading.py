@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from dpcourse.ddp import buckets, sampler
-from dpcourse.harness.exercises import grading, learner_data, registry
-from dpcourse.harness.exercises.judge import JUDGED_APART, without_paths
+from dpcourse.harness.exercises import core, grading, judge, learner_data, registry
+from dpcourse.harness.exercises.judge import JUDGED_APART, judged_apart, without_paths
 from dpcourse.harness.exercises.notebook_code import Notebook, course_callables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,9 +147,23 @@ def test_learner_data_round_trips_data_and_refuses_objects():
             learner_data.decode(text)
 
 
-def test_the_book_answers_of_judged_apart_exercises_take_and_give_data():
-    """JUDGED_APART names exercises only; tests/test_grading_isolation.py grades them apart."""
+def _helper(fn):
+    return core.run_learner_on_ranks(fn, 2)  # an attribute of a module: named too
+
+
+def _check(fn):
+    return [_helper(fn) for _ in range(2)]  # inside a comprehension: its own code object
+
+
+def test_a_check_that_looks_inside_the_process_is_not_judged_apart():
+    """JUDGED_APART names exercises (tests/test_grading_isolation.py grades the book's answers
+    so); one whose check names a helper that looks at the learner's function from inside the
+    process (its arguments changed in place, shared memory, devices, ranks) is checked in the
+    player whatever the list says: what the check's functions of its module name counts too."""
     assert JUDGED_APART <= set(registry())
+    assert judged_apart("ex-7-buckets") and not judged_apart("ex-7-average")
+    assert "run_learner_on_ranks" in judge.names_used(_check)
+    assert not judge.names_used(judge.names_used) & judge.IN_PROCESS
 
 
 # -------------------------------------------------------------------------- assignments, people

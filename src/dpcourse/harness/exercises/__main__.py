@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
     else:
-        from dpcourse.harness.exercises.judge import JUDGED_APART  # import here: grading's
+        from dpcourse.harness.exercises.judge import judged_apart  # import here: grading's
 
         for ex in registry().values():
-            where = "judged apart" if ex.label in JUDGED_APART else "checked in the player"
+            where = "judged apart" if judged_apart(ex.label) else "checked in the player"
             print(f"Exercise {ex.number or '?':<8} {ex.label:<22} "
                   f"{'check.' + ex.name + '(' + (ex.function or '...') + ')':<58} {where}")
     return 0

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import html
+import json
 import os
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -59,6 +60,8 @@ DEFAULT_CHECK_TIMEOUT = 60.0
 # Set by `make book` for the full edition: a reference solution that fails its check fails the
 # build. Learners' notebooks and the student edition never raise on a failed check.
 STRICT_ENV = "DPCOURSE_CHECKS_STRICT"
+# Set by the grader: every check result is appended to this file as one JSON line.
+LOG_ENV = "DPCOURSE_GRADE_LOG"
 
 
 class Mismatch(AssertionError):
@@ -223,6 +226,12 @@ def _describe(value: Any) -> str:
         return f"tensor of shape {tuple(value.shape)}, {value.dtype}: {body}"
     text = repr(value)
     return text if len(text) <= 200 else text[:200] + "…"
+
+
+def describe_value(value: Any) -> str:
+    """``value`` as the checks' messages show an input (a tensor by its shape, dtype and
+    values): for the grader's messages about a call of the learner's function."""
+    return _describe(value)
 
 
 def call_learner(fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -431,6 +440,14 @@ def _show(result: CheckResult) -> None:
     print(result.text())
 
 
+def log_result(result: CheckResult) -> None:
+    """Append ``result`` as a JSON line to the file ``LOG_ENV`` names (grading reads it)."""
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(asdict(result)) + "\n")
+
+
 class ExerciseFailed(AssertionError):
     """Raised by a check only in the strict (reference) build, where every check must pass."""
 
@@ -450,6 +467,7 @@ class _Checks:
         def run(fn: Any) -> None:
             result = run_check(ex.label, fn)
             _show(result)  # shown here, not returned, so that it appears exactly once
+            log_result(result)
             if os.environ.get(STRICT_ENV) and not result.passed:
                 raise ExerciseFailed(result.text())
 

@@ -37,6 +37,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import dpcourse
 from dpcourse.harness.exercises import numbering
 from dpcourse.harness.exercises.core import exercise_title, registry
 
@@ -47,9 +48,10 @@ __all__ = [
 
 DEFAULT_TIMEOUT = 900.0  # seconds for one whole notebook
 DEFAULT_CELL_TIMEOUT = 300.0
-# Seconds a judge may take beyond a notebook's time limit (starting, stopping processes) before
-# the grader stops it.
-JUDGE_MARGIN = 120.0
+# Seconds a judge may take beyond a notebook's time limit before the grader stops it: starting
+# and stopping processes, and a check started just before the limit, which runs to its own
+# (180 s at most) plus the judge's margin for a check in the player (judge.LOCAL_MARGIN).
+JUDGE_MARGIN = 300.0
 SCORE_COLUMNS = ["student", "submission", "chapter", "exercise", "number", "status", "points",
                  "max_points", "message"]
 
@@ -136,7 +138,9 @@ class GradeRow:
     points: float
     max_points: float
     message: str
-    # For the feedback file only: the cells that ran, the errors in them, what the code printed.
+    # For the feedback file only: where it was checked ("apart", in the judge, or "local", in
+    # the player), the cells that ran, the errors in them, what the code printed.
+    mode: str = ""
     cells: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     output: str = ""
@@ -212,7 +216,7 @@ def find_submissions(paths: list[Path], student: str | None = None,
 
 # ------------------------------------------------------------------------------------- judges
 class _Judge:
-    """A judge process (``python -I -m dpcourse.harness.exercises.judge``) and its pipes: one
+    """A judge process (:func:`dpcourse.harness.exercises.judge.main`) and its pipes: one
     per job, reused for the job's submissions, replaced if it fails."""
 
     def __init__(self) -> None:
@@ -220,9 +224,12 @@ class _Judge:
         self.log = open(self.home / "judge.log", "wb")
         env = {k: v for k, v in os.environ.items() if k != "DPCOURSE_CHECKS_STRICT"}
         # -I: neither the working folder nor PYTHONPATH on the path, so that no file a
-        # submission writes can stand in for a module the judge imports later.
+        # submission writes can stand in for a module the judge imports later; the folder this
+        # process found dpcourse in goes first, so that the judge runs the same grader.
+        package_root = str(Path(dpcourse.__file__).resolve().parents[1])
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "dpcourse.harness.exercises.judge"],
+            [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {package_root!r}); "
+             "from dpcourse.harness.exercises.judge import main; main()"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=self.home,
             env=env, start_new_session=True,
         )
@@ -306,7 +313,7 @@ def _grade_one(judge_slot: list, sub: Submission, assignment: Assignment | None,
             message += f" [errors in the cells it needs: {'; '.join(v['problems'][:3])}]"
         rows.append(GradeRow(sub.student, sub.name, chapter, v["label"], v["status"],
                              full if v["status"] == "passed" else 0, full, message,
-                             v["cells"], v["problems"], v["output"]))
+                             v["mode"], v["cells"], v["problems"], v["output"]))
     return rows
 
 

@@ -19,8 +19,8 @@ exercise's function needs, and starts a player
 An answer that is, or calls, a function of the course package that passes the exercise's check
 by itself is reported as the course's own code (:func:`course_answer`).
 
-The grader (:mod:`~dpcourse.harness.exercises.grading`) starts judges as
-``python -I -m dpcourse.harness.exercises.judge`` and sends one JSON line per submission on
+The grader (:mod:`~dpcourse.harness.exercises.grading`) starts judges with ``python -I`` (no
+working folder on the path) running :func:`main`, and sends one JSON line per submission on
 their standard input; each answers one JSON line on its standard output.
 
 Chapter 0: the exercise checks of the whole course (grading).
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import json
 import linecache
 import os
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -50,8 +52,7 @@ from dpcourse.harness.exercises import learner_data
 from dpcourse.harness.exercises.core import (
     CheckResult,
     Mismatch,
-    _describe,
-    _time_limit,
+    describe_value,
     registry,
     run_check,
 )
@@ -59,11 +60,13 @@ from dpcourse.harness.exercises.notebook_code import Notebook, Statement, course
 from dpcourse.harness.exercises.player import ForkedPlayer
 from dpcourse.harness.launch import forkserver
 
-__all__ = ["JUDGED_APART", "Verdict", "judge_notebook", "course_answer", "main"]
+__all__ = ["JUDGED_APART", "IN_PROCESS", "judged_apart", "names_used", "Verdict",
+           "judge_notebook", "course_answer", "main"]
 
 # The exercises whose checks call the learner's function with data only (numbers, strings,
-# lists, tensors) and look only at what it returns: their verdict is reached in the judge.
-# tests/test_grading_isolation.py checks that the book's own answers pass so.
+# lists, tensors) and look only at what it returns: their verdict is reached in the judge
+# (unless the check names one of IN_PROCESS). tests/test_grading_isolation.py checks that the
+# book's own answers pass so.
 JUDGED_APART = frozenset({
     "ex-1-batch", "ex-2-combine", "ex-3-chunk", "ex-5-rounds", "ex-6-bytes",
     "ex-7-buckets", "ex-7-sampler", "ex-8-lr", "ex-8-recovery",
@@ -73,6 +76,13 @@ JUDGED_APART = frozenset({
     "ex-lab-straggler", "ex-lab-hang", "ex-lab-buckets", "ex-lab-bandwidth",
     "ex-bugs-noam", "ex-bugs-collate",
 })
+# What a check uses to look at the learner's function from inside the process that runs it (an
+# argument changed in place, memory shared with an argument, devices modelled on the CPU, ranks,
+# the learner's own frames): a check whose code names one is checked in the player, whatever
+# JUDGED_APART says (judged_apart).
+IN_PROCESS = frozenset({"call_learner_untouched", "call_learner_in_place", "as_on_gpus",
+                        "shares_memory", "run_learner_on_ranks", "call_collective",
+                        "learner_messages", "learner_error"})
 # Seconds beyond a check's own limit that a player running it may take (rank start-up and
 # teardown) before the judge stops it.
 LOCAL_MARGIN = 30.0
@@ -101,6 +111,38 @@ class Verdict:
     problems: list[str] = field(default_factory=list)  # errors in those cells
     output: str = ""  # the end of what the learner's code printed
     course_code: str = ""  # the course function the answer is or calls, if any
+
+
+def names_used(fn: Any) -> set[str]:
+    """The global and attribute names ``fn``'s code uses, and that of the functions of its own
+    module it names, in turn (what a check does, read from its bytecode)."""
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    found: set[str] = set()
+    todo, seen = [fn], set()
+    while todo:
+        f = todo.pop()
+        if id(f) in seen or not hasattr(f, "__code__"):
+            continue
+        seen.add(id(f))
+        names: set[str] = set()
+        codes = [f.__code__]
+        while codes:
+            code = codes.pop()
+            names.update(code.co_names)
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        found |= names
+        for name in names:
+            other = getattr(module, name, None)
+            if getattr(other, "__module__", None) == getattr(module, "__name__", None):
+                todo.append(other)
+    return found
+
+
+@functools.cache
+def judged_apart(label: str) -> bool:
+    """Whether exercise ``label`` is checked in the judge: it is in :data:`JUDGED_APART` and its
+    check names nothing of :data:`IN_PROCESS`."""
+    return label in JUDGED_APART and not names_used(registry()[label].check) & IN_PROCESS
 
 
 # ------------------------------------------------------------------------------------ players
@@ -224,7 +266,7 @@ class LearnerFunction:
                        "kwargs": learner_data.encode(kwargs)}
         except learner_data.NotData as exc:
             raise _Unsendable(f"the check passes {exc} to the function") from None
-        inputs = ", ".join(_describe(a) for a in args)
+        inputs = ", ".join(describe_value(a) for a in args)
         try:
             self.player.send(**request)
             reply = self.player.receive(None)  # the check's time limit interrupts a long wait
@@ -312,7 +354,7 @@ def judge_exercise(nb: Notebook, label: str, options: dict, deadline: float,
     ex = registry()[label]
     name = ex.function
     statements = nb.needed({name})
-    mode = "apart" if label in JUDGED_APART else "local"
+    mode = "apart" if judged_apart(label) else "local"
     verdict = Verdict(label, "not run", "", mode)
     verdict.cells = list(dict.fromkeys(s.cell.describe() for s in statements))
     problems = nb.cell_problems(statements, {name})
@@ -398,10 +440,8 @@ def _run(player: Player, verdict: Verdict, cells: dict, ex, options: dict,
         verdict.message = (f"{ex.function} is a {message.get('type')}, not a function")
         return
     if verdict.mode == "apart":
-        left = deadline - time.monotonic()
-        try:
-            with _time_limit(max(left, 0.001)):
-                result = run_check(verdict.label, LearnerFunction(player, ex.function))
+        try:  # within the check's own time limit (run_check's)
+            result = run_check(verdict.label, LearnerFunction(player, ex.function))
         except _Unsendable as exc:
             result = CheckResult(verdict.label, ex.name, "error",
                                  f"the grader cannot judge this exercise apart ({exc}); "
@@ -458,8 +498,8 @@ def judge_notebook(request: dict) -> dict:
 
 
 def main() -> None:
-    """``python -I -m dpcourse.harness.exercises.judge``: answer each request line on standard
-    input with a line on standard output (what checks print goes to standard error)."""
+    """The judge's process: answer each request line on standard input with a line on standard
+    output (what checks print goes to standard error)."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr

@@ -40,7 +40,7 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dpcourse.harness.exercises import learner_data
+from dpcourse.harness.exercises import learner_data, registry, run_check
 from dpcourse.harness.launch import forkserver
 
 __all__ = ["serve", "learner_error", "ForkedPlayer"]
@@ -104,14 +104,9 @@ def serve(sock_fd: int, out_fd: int) -> int:
     # never ends fails (OSError: File too large) instead of filling the grader's disk.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
-    run_check = None
-    if job["mode"] == "local":
-        # The checks' code is loaded before any of the learner's runs.
-        from dpcourse.harness.exercises import registry
-        from dpcourse.harness.exercises import run_check as _run_check
-
-        registry()
-        run_check = _run_check
+    local = job["mode"] == "local"
+    if local:
+        registry()  # the checks' code is loaded before any of the learner's runs
         # Ranks the check starts fork from a copy of this process as it is now, before the
         # learner's code: it has torch imported already.
         forkserver.fork_server_here(close_fds=(sock_fd,))
@@ -147,7 +142,7 @@ def serve(sock_fd: int, out_fd: int) -> int:
           type=type(fn).__name__)
     if fn is None or not callable(fn):
         return 0
-    if run_check is not None:
+    if local:
         result = run_check(job["label"], fn)
         _send(conn, event="result", result=asdict(result))
         return 0
