@@ -15,8 +15,10 @@ parameters each rank used, and gives a parameter that no rank used its gradient 
 it such a gradient is zeros, which plain SGD ignores but momentum, Adam or weight decay do not.
 
 What is not here: torch's smaller first bucket (1 MiB, so that communication starts early), the
-bucket order rebuilt after the first step from the order gradients arrived in, and communication
-hooks (fp16 compression).
+bucket order rebuilt after the first step from the order gradients arrived in. Communication hooks
+(torch's ``register_comm_hook``: what replaces a bucket's all-reduce, chapter 12's compression)
+plug in through :attr:`BucketManager.comm_hook`, which hands a hook a :class:`HookBucket`, the
+interface of torch's ``dist.GradBucket``.
 
 Chapter 7: gradient buckets for DistributedDataParallel.
 """
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MB", "bucket_assignment", "Bucket", "BucketManager"]
+__all__ = ["MB", "bucket_assignment", "Bucket", "HookBucket", "BucketManager"]
 
 MB = 2**20  # bucket_cap_mb counts mebibytes, as torch's DDP does
 
@@ -105,6 +107,34 @@ class Bucket:
             p.grad = view
 
 
+class HookBucket:
+    """A :class:`Bucket` as a communication hook sees it: the methods of torch's
+    ``dist.GradBucket`` that hooks call (``buffer``, ``index``, ``is_last``, ``gradients``,
+    ``parameters``, ``set_buffer``), so that one hook runs on torch's DDP and on ours
+    (chapter 12)."""
+
+    def __init__(self, bucket: Bucket, count: int) -> None:
+        self._bucket, self._count, self._buffer = bucket, count, bucket.buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def is_last(self) -> bool:
+        return self._bucket.index == self._count - 1
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._bucket.params)
+
+
 class BucketManager:
     """The reducer: puts parameters into buckets, counts the gradients that have arrived, and
     launches each bucket's all-reduce, in bucket order, once all its gradients are in.
@@ -138,6 +168,9 @@ class BucketManager:
                     p.grad = bucket.views[k] if p.grad is None else p.grad
         self.next_to_launch = 0
         self.ready_in_backward = 0  # gradients marked ready since the last finish()
+        # (hook, state): what runs instead of the all-reduce, hook(state, HookBucket) -> a
+        # Future of the averaged buffer, as torch's register_comm_hook takes (chapter 12)
+        self.comm_hook: tuple | None = None
 
     def mark_ready(self, param: nn.Parameter, launch: bool) -> None:
         """``param``'s gradient is complete: move it into its bucket, and if ``launch``,
@@ -161,9 +194,14 @@ class BucketManager:
                 self.launch(self.buckets[self.next_to_launch])
 
     def launch(self, bucket: Bucket) -> None:
-        """Average ``bucket``'s gradients across the ranks: one asynchronous all-reduce."""
-        bucket.buffer.div_(self.world_size)  # mean = sum of (gradient / N)
-        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+        """Average ``bucket``'s gradients across the ranks: one asynchronous all-reduce (or
+        the communication hook, whose Future's value is the averaged buffer)."""
+        if self.comm_hook is not None:
+            hook, state = self.comm_hook
+            bucket.work = hook(state, HookBucket(bucket, len(self.buckets)))
+        else:
+            bucket.buffer.div_(self.world_size)  # mean = sum of (gradient / N)
+            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self.next_to_launch = bucket.index + 1
 
     def finish(self) -> None:
@@ -179,7 +217,11 @@ class BucketManager:
                     bucket.take_gradient(k)
             self.launch(bucket)
         for bucket in self.buckets:
-            bucket.work.wait()
+            averaged = bucket.work.wait()
+            if self.comm_hook is not None:  # a Future's value: copied in unless it is the bucket
+                averaged = averaged[0] if isinstance(averaged, list) else averaged
+                if averaged.data_ptr() != bucket.buffer.data_ptr():
+                    bucket.buffer.copy_(averaged.view_as(bucket.buffer))
             bucket.reset()
         self.next_to_launch = 0
         self.ready_in_backward = 0

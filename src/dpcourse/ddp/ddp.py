@@ -272,6 +272,16 @@ class DDP(nn.Module):
             self.reducer.finish()
             self._synchronised = True
 
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Replace each bucket's all-reduce by ``hook(state, bucket)``, as torch's DDP's
+        ``register_comm_hook`` does: ``bucket`` has the methods of ``dist.GradBucket``
+        (:class:`~dpcourse.ddp.buckets.HookBucket`), and the hook returns a
+        ``torch.futures.Future`` whose value is the bucket's averaged gradients (the hook
+        divides by the world size). Chapter 12's compression hooks run here and on torch's."""
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook can be called once, as in torch's DDP")
+        self.reducer.comm_hook = (hook, state)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate gradients on this rank (gradient
