@@ -20,10 +20,16 @@ torch's DDP reads a hook's annotations (``bucket: dist.GradBucket``, the return 
 Chapter 12: compressed gradients as DDP communication hooks.
 """
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
-__all__ = ["allreduce_hook", "compress_hook", "fp16_compress_hook", "bf16_compress_hook"]
+from dpcourse.ddp.buckets import Bucket, HookBucket
+
+__all__ = ["allreduce_hook", "compress_hook", "fp16_compress_hook", "bf16_compress_hook",
+           "bucket_of"]
 
 
 def allreduce_hook(process_group: dist.ProcessGroup | None,
@@ -62,3 +68,16 @@ def bf16_compress_hook(process_group: dist.ProcessGroup | None,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """:func:`compress_hook` in bf16 (torch's ``default_hooks.bf16_compress_hook``)."""
     return compress_hook(torch.bfloat16, process_group, bucket)
+
+
+def bucket_of(gradients: Sequence[torch.Tensor], index: int = 0, count: int = 1) -> HookBucket:
+    """A bucket holding a copy of ``gradients`` (one flat tensor, in order), as a hook sees it:
+    for calling a hook outside DDP, as chapter 12 does to compare ours with torch's on the same
+    buckets. ``index`` and ``count`` say which of how many buckets it is (PowerSGD counts its
+    steps by the last)."""
+    params = [nn.Parameter(g.new_empty(g.shape)) for g in gradients]  # shapes, for the views
+    offsets = [0]
+    for g in gradients[:-1]:
+        offsets.append(offsets[-1] + g.numel())
+    buffer = torch.cat([g.reshape(-1) for g in gradients]).clone()
+    return HookBucket(Bucket(index, params, offsets, buffer), count)

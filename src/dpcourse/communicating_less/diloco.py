@@ -96,11 +96,14 @@ class DiLoCo:
 
 def diloco_reference(model: nn.Module, batches: Sequence[Sequence[Sequence[torch.Tensor]]],
                      loss_fn: Callable, make_inner: MakeOptimizer, make_outer: MakeOptimizer,
-                     sync_every: int) -> nn.Module:
+                     sync_every: int, reset_inner: bool = False) -> nn.Module:
     """DiLoCo in one process: ``len(batches[0])`` replicas of ``model`` in a list,
     ``batches[t][w]`` the ``(inputs, targets)`` replica ``w`` trains on at step ``t``. Returns
     the global model after the last round (call it with a number of steps divisible by
-    ``sync_every``). The reference :class:`DiLoCo` is tested against."""
+    ``sync_every``); its buffers (batch norm's statistics) are ``model``'s, untouched, since no
+    pseudo-gradient carries them. The reference :class:`DiLoCo` is tested against;
+    ``reset_inner=True`` starts every round with fresh inner optimizers (chapter 12 shows what
+    forgetting AdamW's moments costs)."""
     theta = copy.deepcopy(model)  # the global weights
     outer = make_outer(theta.parameters())
     workers = [copy.deepcopy(model) for _ in batches[0]]
@@ -120,4 +123,6 @@ def diloco_reference(model: nn.Module, batches: Sequence[Sequence[Sequence[torch
                 for w in workers:
                     for p, g in zip(w.parameters(), theta.parameters(), strict=True):
                         p.copy_(g)
+            if reset_inner:
+                inners = [make_inner(w.parameters()) for w in workers]
     return theta

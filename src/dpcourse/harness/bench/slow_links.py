@@ -56,8 +56,9 @@ from dpcourse.harness.launch import run_ranks
 from dpcourse.harness.patching import replaced
 from dpcourse.one_device import data, models
 
-__all__ = ["METHODS", "make_model", "task", "train_on_rank", "compute_on_rank", "count_sent",
-           "model_step", "measure_rate", "measure"]
+__all__ = ["METHODS", "make_model", "task", "batch_for", "train_on_rank", "compute_on_rank",
+           "count_sent", "hook_overhead_on_rank", "model_step", "live_run", "measure_rate",
+           "measure"]
 
 HELP = "compression, local SGD and DiLoCo to a target loss over emulated slow links, vs a model"
 
@@ -342,6 +343,25 @@ def measure_rate(rate: str, nodes: int = 2, target: float = 0.12, max_steps: int
             "alpha": alpha, "beta": beta, "compute": compute_s, "overhead": overhead,
             "repeats": repeats, "target": target,
             "max_steps": max_steps, "eval_every": eval_every, "results": results}
+
+
+def live_run(rate: str = "10mbit", nodes: int = 2, steps: int = 16,
+             methods: tuple[str, ...] = ("DDP", "fp16", "DiLoCo H=8")) -> dict:
+    """A few steps of ``methods`` on an emulated cluster (the chapter's live cell): bytes per
+    step counted and on the wire, the mean step, and the model's step with the compute measured
+    here and the link's configured rate (latency left out: no time for a fit)."""
+    beta = hardware.rate_bits(rate) / 8
+    with EmulatedCluster(nodes, link=rate) as cluster:
+        compute_s = run_ranks(compute_on_rank, nodes, 24, cluster=cluster, timeout=300)[0]
+        results = {}
+        for name in methods:
+            kind, options = METHODS[name]
+            r = run_ranks(train_on_rank, nodes, kind, options, -1.0, steps, steps,
+                          cluster=cluster, timeout=600)[0]
+            r["model_step"] = model_step(kind, options, nodes, compute_s, 0.0, beta)
+            results[name] = r
+    return {"rate": rate, "nodes": nodes, "steps": steps, "compute": compute_s,
+            "results": results}
 
 
 def measure(rates=("10mbit", "100mbit", "1gbit"), nodes=(2, 4), **kwargs) -> dict:
