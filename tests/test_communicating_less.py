@@ -175,6 +175,27 @@ def test_hooks_run_on_torchs_ddp_and_ours(world):
         assert not torch.equal(weights["fp16", "ours", "ours"], weights["powersgd", "ours", "ours"])
 
 
+def wrapped_hook_on_rank() -> float:
+    """torch's fp16_compress_wrapper leaves the averaged gradients in a buffer of its own: our
+    DDP copies the Future's value into the bucket, as torch's does."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    grads = []
+    for wrap in (nn.parallel.DistributedDataParallel, DDP):
+        model = copy.deepcopy(base)
+        ddp = wrap(model)
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_wrapper(
+            default_hooks.allreduce_hook))
+        ddp(x).pow(2).mean().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    return (grads[0] - grads[1]).abs().max().item()
+
+
+def test_a_hook_whose_result_is_elsewhere_is_copied_into_the_bucket():
+    assert max(run_ranks(wrapped_hook_on_rank, 2, backend="gloo")) == 0.0
+
+
 # --------------------------------------------------------------------------- local SGD
 def local_sgd_on_rank(period: int, warmup: int, steps: int = 9) -> float:
     rank = dist.get_rank()

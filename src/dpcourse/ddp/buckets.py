@@ -17,8 +17,8 @@ it such a gradient is zeros, which plain SGD ignores but momentum, Adam or weigh
 What is not here: torch's smaller first bucket (1 MiB, so that communication starts early), the
 bucket order rebuilt after the first step from the order gradients arrived in. Communication hooks
 (torch's ``register_comm_hook``: what replaces a bucket's all-reduce, chapter 12's compression)
-plug in through :attr:`BucketManager.comm_hook`, which hands a hook a :class:`HookBucket`, the
-interface of torch's ``dist.GradBucket``.
+are a layer on top: :class:`HookedBucketManager` takes over a reducer's buckets and launches a
+hook instead, handing it a :class:`HookBucket`, the interface of torch's ``dist.GradBucket``.
 
 Chapter 7: gradient buckets for DistributedDataParallel.
 """
@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MB", "bucket_assignment", "Bucket", "HookBucket", "BucketManager"]
+__all__ = ["MB", "bucket_assignment", "Bucket", "HookBucket", "BucketManager",
+           "HookedBucketManager"]
 
 MB = 2**20  # bucket_cap_mb counts mebibytes, as torch's DDP does
 
@@ -168,9 +169,6 @@ class BucketManager:
                     p.grad = bucket.views[k] if p.grad is None else p.grad
         self.next_to_launch = 0
         self.ready_in_backward = 0  # gradients marked ready since the last finish()
-        # (hook, state): what runs instead of the all-reduce, hook(state, HookBucket) -> a
-        # Future of the averaged buffer, as torch's register_comm_hook takes (chapter 12)
-        self.comm_hook: tuple | None = None
 
     def mark_ready(self, param: nn.Parameter, launch: bool) -> None:
         """``param``'s gradient is complete: move it into its bucket, and if ``launch``,
@@ -194,14 +192,9 @@ class BucketManager:
                 self.launch(self.buckets[self.next_to_launch])
 
     def launch(self, bucket: Bucket) -> None:
-        """Average ``bucket``'s gradients across the ranks: one asynchronous all-reduce (or
-        the communication hook, whose Future's value is the averaged buffer)."""
-        if self.comm_hook is not None:
-            hook, state = self.comm_hook
-            bucket.work = hook(state, HookBucket(bucket, len(self.buckets)))
-        else:
-            bucket.buffer.div_(self.world_size)  # mean = sum of (gradient / N)
-            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+        """Average ``bucket``'s gradients across the ranks: one asynchronous all-reduce."""
+        bucket.buffer.div_(self.world_size)  # mean = sum of (gradient / N)
+        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self.next_to_launch = bucket.index + 1
 
     def finish(self) -> None:
@@ -217,11 +210,7 @@ class BucketManager:
                     bucket.take_gradient(k)
             self.launch(bucket)
         for bucket in self.buckets:
-            averaged = bucket.work.wait()
-            if self.comm_hook is not None:  # a Future's value: copied in unless it is the bucket
-                averaged = averaged[0] if isinstance(averaged, list) else averaged
-                if averaged.data_ptr() != bucket.buffer.data_ptr():
-                    bucket.buffer.copy_(averaged.view_as(bucket.buffer))
+            bucket.work.wait()
             bucket.reset()
         self.next_to_launch = 0
         self.ready_in_backward = 0
@@ -244,3 +233,26 @@ class BucketManager:
                     p.grad = None
                 else:
                     p.grad.copy_(before[p])
+
+
+class HookedBucketManager(BucketManager):
+    """The reducer with a communication hook in place of each bucket's all-reduce, as torch's
+    ``register_comm_hook`` (chapter 12): it takes over ``reducer``'s buckets and state, and
+    launches ``hook(state, HookBucket)``, whose Future's value, the averaged gradients, is
+    copied into the bucket where the hook left it elsewhere."""
+
+    def __init__(self, reducer: BucketManager, hook, state: object) -> None:
+        self.__dict__.update(reducer.__dict__)  # the same buckets, gradients and counters
+        self.hook, self.state = hook, state
+
+    def launch(self, bucket: Bucket) -> None:
+        def into_bucket(fut: torch.futures.Future) -> torch.Tensor:
+            value = fut.value()
+            value = value[0] if isinstance(value, list) else value
+            if value.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(value.view_as(bucket.buffer))
+            return bucket.buffer
+
+        fut = self.hook(self.state, HookBucket(bucket, len(self.buckets)))
+        bucket.work = fut.then(into_bucket)
+        self.next_to_launch = bucket.index + 1

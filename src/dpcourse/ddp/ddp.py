@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dpcourse.ddp.buckets import MB, Bucket, BucketManager
+from dpcourse.ddp.buckets import MB, Bucket, BucketManager, HookedBucketManager
 from dpcourse.ddp.checks import (
     check_module,
     check_process_group,
@@ -278,9 +278,9 @@ class DDP(nn.Module):
         (:class:`~dpcourse.ddp.buckets.HookBucket`), and the hook returns a
         ``torch.futures.Future`` whose value is the bucket's averaged gradients (the hook
         divides by the world size). Chapter 12's compression hooks run here and on torch's."""
-        if self.reducer.comm_hook is not None:
+        if isinstance(self.reducer, HookedBucketManager):
             raise RuntimeError("register_comm_hook can be called once, as in torch's DDP")
-        self.reducer.comm_hook = (hook, state)
+        self.reducer = HookedBucketManager(self.reducer, hook, state)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
