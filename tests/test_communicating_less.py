@@ -512,3 +512,54 @@ def test_step_time_is_chapter_10s_every_step_and_spread_over_h():
     h_c = step_model.reduction_needed(1e9, 8, 1.0, 125e6, budget=0.1)
     assert math.isclose(h_c, 2 * 7 / 8 * 2e9 / 125e6 / 0.1)
     assert step_model.time_to_target(None, 0.1) is None
+
+
+# ------------------------------------------------------------------------------- GPUs
+def gpu_on_rank() -> dict:
+    """On the rank's GPU (NCCL with a GPU per rank, gloo where ranks share one): the hooks
+    against torch's on CUDA buckets, the quantised all-reduce, a DiLoCo round."""
+    from dpcourse import runtime
+
+    device = runtime.device()
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(s, generator=g).to(device) for s in SHAPES]
+    out = {"device": device.type}
+    got = compression.fp16_compress_hook(None, compression.bucket_of(grads)).wait()
+    want = default_hooks.fp16_compress_hook(None, compression.bucket_of(grads)).wait()
+    out["fp16"] = (got - want).abs().max().item()
+    options = dict(matrix_approximation_rank=2, start_powerSGD_iter=2)
+    ours, theirs = powersgd.PowerSGDState(**options), torch_powersgd.PowerSGDState(None, **options)
+    worst = 0.0
+    for _ in range(4):
+        a = powersgd.powersgd_hook(ours, compression.bucket_of(grads)).wait()
+        b = torch_powersgd.powerSGD_hook(theirs, compression.bucket_of(grads)).wait()
+        worst = max(worst, ((a - b).abs().max() / b.abs().max()).item())
+    out["powersgd"] = worst
+    t = torch.randn(1000, generator=g).to(device)
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t)
+    quantization.quantized_all_reduce(t)
+    out["quantized"] = (t.cpu() - quantization.quantized_mean([e.cpu() for e in everyone])
+                        ).abs().max().item()
+    model = make_model().to(device)
+    inner = make_inner(model.parameters())
+    run = diloco.DiLoCo(model, inner, make_outer(model.parameters()), sync_every=2)
+    for step in worker_batches(dist.get_world_size(), 4):
+        inner.zero_grad()
+        x, y = step[rank]
+        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        run.step()
+    out["diloco_on"] = {p.device.type for p in model.parameters()} | {
+        s.device.type for s in run.start}
+    return out
+
+
+@pytest.mark.gpu
+def test_hooks_quantisation_and_diloco_on_gpus():
+    for out in run_ranks(gpu_on_rank, 2, timeout=240):
+        assert out["device"] == "cuda"
+        assert out["fp16"] == 0.0
+        assert out["powersgd"] < 1e-5  # cuBLAS sums in its own order
+        assert out["quantized"] < 1e-6  # the same roundings; fp32 sums in another order
+        assert out["diloco_on"] == {"cuda"}

@@ -45,6 +45,7 @@ from dpcourse.communicating_less import (
     diloco,
     local_sgd,
     powersgd,
+    quantization,
     step_model,
     streaming_diloco,
 )
@@ -254,12 +255,14 @@ def hook_overhead_on_rank(steps: int = 40) -> dict[str, float]:
 
     alone, _ = dist.new_subgroups(group_size=1)  # a collective: every rank, once
     x, y, _, _ = task()
-    hooks = {"none": (None, None), "fp16": (alone, compression.fp16_compress_hook)}
+    hooks = {"none": (None, None), "fp16": (alone, compression.fp16_compress_hook),
+             "quantize": (alone, None)}
     for name, (kind, options) in METHODS.items():
         if kind == "powersgd":
             hooks[name] = (powersgd.PowerSGDState(alone, options["rank"], start_powerSGD_iter=2),
                            powersgd.powersgd_hook)
     times: dict[str, list[float]] = {name: [] for name in hooks}
+    fragment = torch.randn(sum(p.numel() for p in make_model().parameters()) // 3)
     models_ = {name: make_model() for name in hooks}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=LR) for name, m in models_.items()}
     reducers = {name: BucketManager(list(m.parameters()), 25 * MB, 1)
@@ -268,6 +271,11 @@ def hook_overhead_on_rank(steps: int = 40) -> dict[str, float]:
         bx, by = batch_for(t, dist.get_rank(), x, y)
         for name, (state, hook) in hooks.items():  # interleaved: the same load for each
             model, opt, bucket = models_[name], opts[name], reducers[name].buckets[0]
+            if name == "quantize":  # Streaming DiLoCo's per sync: a third of the model in fp8
+                start = time.perf_counter()
+                quantization.quantized_all_reduce(fragment.clone(), state)
+                times[name].append(time.perf_counter() - start)
+                continue
             start = time.perf_counter()
             opt.zero_grad(set_to_none=False)
             nn.functional.mse_loss(model(bx), by).backward()
@@ -278,7 +286,8 @@ def hook_overhead_on_rank(steps: int = 40) -> dict[str, float]:
             opt.step()
             times[name].append(time.perf_counter() - start)
     base = statistics.median(times["none"][steps // 4:])
-    return {name: max(0.0, statistics.median(t[steps // 4:]) - base)
+    return {name: statistics.median(t[steps // 4:]) if name == "quantize" else
+            max(0.0, statistics.median(t[steps // 4:]) - base)
             for name, t in times.items() if name != "none"}
 
 
@@ -288,7 +297,8 @@ def model_step(kind: str, options: dict, world: int, compute_s: float, alpha: fl
     step_time`): DDP's one bucket after backward (nothing hidden), PowerSGD's three all-reduces,
     DiLoCo's one per parameter tensor and the count, Streaming DiLoCo's quantised fragment (an
     all-to-all and an all-gather, each of codes and scales: two all-reduces' latencies) every
-    H/F steps, hidden behind ``delay`` steps of compute."""
+    H/F steps, hidden behind ``delay`` steps of compute. ``overhead_s``: a hook's arithmetic per
+    step; for Streaming DiLoCo its quantisation per synchronisation, spread over H/F steps."""
     shapes = [tuple(p.shape) for p in make_model().parameters()]
     if kind in ("ddp", "fp16", "powersgd"):
         payload = step_model.payload_bytes(kind, shapes, world, rank=options.get("rank", 1))
@@ -306,7 +316,8 @@ def model_step(kind: str, options: dict, world: int, compute_s: float, alpha: fl
     payload = step_model.payload_bytes("streaming", shapes, world, fragments=fragments)
     return step_model.step_time(world, compute_s, payload, alpha, beta,
                                 every=options["every"] / fragments, all_reduces=2,
-                                hidden_s=options["delay"] * compute_s)
+                                hidden_s=options["delay"] * compute_s,
+                                overhead_s=overhead_s / (options["every"] / fragments))
 
 
 def measure_rate(rate: str, nodes: int = 2, target: float = 0.12, max_steps: int = 1200,
@@ -314,7 +325,12 @@ def measure_rate(rate: str, nodes: int = 2, target: float = 0.12, max_steps: int
                  link_repeats: int = 3, repeats: int = 1) -> dict:
     """One link rate: fit the link, time the compute alone, train every method to the target."""
     with EmulatedCluster(nodes, link=rate) as cluster:
-        alpha, beta, _, _ = fit_link_on_cluster(cluster, [2**16, 2**18], repeats=link_repeats)
+        fitted_alpha, beta, sizes, one_way = fit_link_on_cluster(cluster, [2**16, 2**18],
+                                                                 repeats=link_repeats)
+        # the latency a message pays here: a 4 KiB message's one-way time (the fit's own alpha
+        # is about 0 on a shaped link, whose bucket lets a small message through at once), as
+        # chapter 11's bench takes it
+        alpha = one_way[sizes.index(2**12)]
         compute_s = run_ranks(compute_on_rank, nodes, cluster=cluster, timeout=600)[0]
         overhead = run_ranks(hook_overhead_on_rank, nodes, cluster=cluster, timeout=600)[0]
         results = {}
@@ -333,14 +349,16 @@ def measure_rate(rate: str, nodes: int = 2, target: float = 0.12, max_steps: int
             if r["steps_to_target"] is not None:
                 r["seconds_to_target"] = r["seconds"]
             r["wire_per_step_nodes"] = [p["wire_per_step"] for p in per_rank]
-            r["overhead"] = overhead.get(name, overhead["fp16"] if kind == "fp16" else 0.0)
+            r["overhead"] = overhead.get(name, overhead["quantize"] if kind == "streaming"
+                                         else 0.0)
             r["model_step"] = model_step(kind, options, nodes, compute_s, alpha, beta,
                                          r["overhead"])
             r["model_seconds_to_target"] = step_model.time_to_target(r["steps_to_target"],
                                                                      r["model_step"])
             results[name] = r
     return {"rate": rate, "rate_bits": hardware.rate_bits(rate), "nodes": nodes,
-            "alpha": alpha, "beta": beta, "compute": compute_s, "overhead": overhead,
+            "alpha": alpha, "fitted_alpha": fitted_alpha, "beta": beta, "compute": compute_s,
+            "overhead": overhead,
             "repeats": repeats, "target": target,
             "max_steps": max_steps, "eval_every": eval_every, "results": results}
 
