@@ -50,6 +50,7 @@ from dpcourse.communicating_less import (
     streaming_diloco,
 )
 from dpcourse.cost import hardware
+from dpcourse.ddp.buckets import MB, BucketManager, HookBucket
 from dpcourse.ddp.ddp import DDP
 from dpcourse.harness.bench.cluster import fit_link_on_cluster
 from dpcourse.harness.cluster import EmulatedCluster
@@ -58,8 +59,8 @@ from dpcourse.harness.patching import replaced
 from dpcourse.one_device import data, models
 
 __all__ = ["METHODS", "make_model", "task", "batch_for", "train_on_rank", "compute_on_rank",
-           "count_sent", "hook_overhead_on_rank", "model_step", "live_run", "measure_rate",
-           "measure"]
+           "count_sent", "hook_overhead_on_rank", "model_step", "modelled", "live_run",
+           "measure_rate", "measure"]
 
 HELP = "compression, local SGD and DiLoCo to a target loss over emulated slow links, vs a model"
 
@@ -251,8 +252,6 @@ def hook_overhead_on_rank(steps: int = 40) -> dict[str, float]:
     all-reducing over a group of this rank alone, where the all-reduces cost nothing: the
     median step with the hook minus the median step without."""
     torch.set_num_threads(1)
-    from dpcourse.ddp.buckets import MB, BucketManager, HookBucket
-
     alone, _ = dist.new_subgroups(group_size=1)  # a collective: every rank, once
     x, y, _, _ = task()
     hooks = {"none": (None, None), "fp16": (alone, compression.fp16_compress_hook),
@@ -320,6 +319,22 @@ def model_step(kind: str, options: dict, world: int, compute_s: float, alpha: fl
                                 overhead_s=overhead_s / (options["every"] / fragments))
 
 
+def modelled(run: dict, name: str) -> tuple[float, float | None]:
+    """(the modelled mean step, the modelled seconds to the target) of method ``name`` in one
+    link's recorded ``run`` (:func:`measure_rate`), from what was measured there: the compute,
+    the hook's arithmetic, the link's latency and bandwidth, and the steps the method took. For
+    PowerSGD the first ``START_POWERSGD`` steps are DDP's, uncompressed, as they ran."""
+    kind, options = METHODS[name]
+    m = run["results"][name]
+    step = model_step(kind, options, run["nodes"], run["compute"], run["alpha"], run["beta"],
+                      m["overhead"])
+    if kind == "powersgd":
+        ddp = model_step("ddp", {}, run["nodes"], run["compute"], run["alpha"], run["beta"])
+        warm = min(START_POWERSGD, m["steps"])
+        step = (warm * ddp + (m["steps"] - warm) * step) / m["steps"]
+    return step, step_model.time_to_target(m["steps_to_target"], step)
+
+
 def measure_rate(rate: str, nodes: int = 2, target: float = 0.12, max_steps: int = 1200,
                  methods: list[str] | None = None, eval_every: int = 8,
                  link_repeats: int = 3, repeats: int = 1) -> dict:
@@ -351,16 +366,14 @@ def measure_rate(rate: str, nodes: int = 2, target: float = 0.12, max_steps: int
             r["wire_per_step_nodes"] = [p["wire_per_step"] for p in per_rank]
             r["overhead"] = overhead.get(name, overhead["quantize"] if kind == "streaming"
                                          else 0.0)
-            r["model_step"] = model_step(kind, options, nodes, compute_s, alpha, beta,
-                                         r["overhead"])
-            r["model_seconds_to_target"] = step_model.time_to_target(r["steps_to_target"],
-                                                                     r["model_step"])
             results[name] = r
-    return {"rate": rate, "rate_bits": hardware.rate_bits(rate), "nodes": nodes,
-            "alpha": alpha, "fitted_alpha": fitted_alpha, "beta": beta, "compute": compute_s,
-            "overhead": overhead,
-            "repeats": repeats, "target": target,
-            "max_steps": max_steps, "eval_every": eval_every, "results": results}
+    run = {"rate": rate, "rate_bits": hardware.rate_bits(rate), "nodes": nodes,
+           "alpha": alpha, "fitted_alpha": fitted_alpha, "beta": beta, "compute": compute_s,
+           "overhead": overhead, "repeats": repeats, "target": target,
+           "max_steps": max_steps, "eval_every": eval_every, "results": results}
+    for name, r in results.items():
+        r["model_step"], r["model_seconds_to_target"] = modelled(run, name)
+    return run
 
 
 def live_run(rate: str = "10mbit", nodes: int = 2, steps: int = 16,
