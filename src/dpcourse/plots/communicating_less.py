@@ -76,7 +76,7 @@ def plot_losses(results: Mapping[str, Mapping], target: float, title: str) -> Fi
     right.set_xlabel("training seconds (rank 0)", fontsize=9)
     right.set_xscale("log")
     left.set_ylabel("held-out MSE", fontsize=9)
-    left.legend(fontsize=8, ncol=2)
+    left.legend(fontsize=9, ncol=2)
     fig.suptitle(title, fontsize=10)
     return fig
 
@@ -102,7 +102,7 @@ def plot_time_to_target(runs: Sequence[Mapping], nodes: int, title: str) -> Figu
     ax.set_ylabel("seconds to the target loss", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.tick_params(labelsize=9)
-    ax.legend(fontsize=8, ncol=3)
+    ax.legend(fontsize=9, ncol=3)
     fig.suptitle(title, fontsize=10)
     return fig
 
@@ -119,6 +119,6 @@ def plot_curves(curves: Mapping[str, tuple[Sequence[float], Sequence[float]]], x
     ax.set_ylabel("held-out MSE", fontsize=9)
     ax.grid(alpha=0.3)
     ax.tick_params(labelsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
     fig.suptitle(title, fontsize=10)
     return fig

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import copy
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 
@@ -103,13 +104,20 @@ def count_sent() -> Iterator[list[float]]:
     """Bytes this rank sends in torch.distributed's all-reduces, all-to-alls and all-gathers
     called in the block, as their ring arithmetic counts them (a one-element list)."""
     sent = [0.0]
+    inside = threading.local()  # torch may call the function again from inside it (a function
+    # mode, as the device audit's guards do): count the outer call only
 
     def counted(share):
         def wrap(real):
             def collective(*args, **kwargs):
-                world = dist.get_world_size(kwargs.get("group"))
-                sent[0] += share(args, world)
-                return real(*args, **kwargs)
+                if getattr(inside, "active", False):
+                    return real(*args, **kwargs)
+                inside.active = True
+                try:
+                    sent[0] += share(args, dist.get_world_size(kwargs.get("group")))
+                    return real(*args, **kwargs)
+                finally:
+                    inside.active = False
             return collective
         return wrap
 
