@@ -563,3 +563,23 @@ def test_hooks_quantisation_and_diloco_on_gpus():
         assert out["powersgd"] < 1e-5  # cuBLAS sums in its own order
         assert out["quantized"] < 1e-6  # the same roundings; fp32 sums in another order
         assert out["diloco_on"] == {"cuda"}
+
+
+# ------------------------------------------------------------------- the bench's plumbing
+def test_slow_links_bench_counts_what_each_method_sends():
+    """Not its timings: the bytes a rank counts per step, and the model's step for each kind."""
+    from dpcourse.harness.bench import slow_links
+
+    n = sum(p.numel() for p in slow_links.make_model().parameters())
+    got = run_ranks(slow_links.train_on_rank, 2, "diloco", {"every": 4}, -1.0, 8, 4,
+                    backend="gloo")[0]
+    assert got["steps"] == 8 and got["steps_to_target"] is None and len(got["curve"]) == 3
+    assert got["sent_per_step"] == 2 * (4 * n + 4) / 8  # 2 rounds: the model and the count
+    got = run_ranks(slow_links.train_on_rank, 2, "fp16", {}, -1.0, 2, 2, backend="gloo")[0]
+    assert got["sent_per_step"] == 2 * n  # N = 2: a ring sends the payload once
+    run = {"nodes": 2, "compute": 1e-3, "alpha": 1e-4, "beta": 1.25e6,
+           "results": {name: {"overhead": 0.0, "steps": 100, "steps_to_target": 100}
+                       for name in slow_links.METHODS}}
+    steps = {name: slow_links.modelled(run, name)[0] for name in slow_links.METHODS}
+    assert steps["DDP"] > steps["fp16"] > steps["DiLoCo H=8"] > steps["DiLoCo H=32"] > 1e-3
+    assert steps["PowerSGD r=1"] < steps["fp16"]
