@@ -224,6 +224,42 @@ def test_local_sgd_equals_torchs_post_local_sgd(world):
         assert max(gaps) == 0.0, (period, warmup, gaps)
 
 
+def local_sgd_against_torchft_on_rank(every: int, steps: int = 10) -> float:
+    """Ours every ``every`` steps (averager warm-up ``every - 1``: after steps every, 2 every,
+    ...) against torchft's ``LocalSGD(sync_every=every)``, which averages after the same steps."""
+    from torchft.local_sgd import LocalSGD
+
+    from dpcourse.harness.torchft_manager import GlooManager
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1))
+    ours_model, theirs_model = copy.deepcopy(base), copy.deepcopy(base)
+    ours = local_sgd.LocalSGD(torch.optim.AdamW(ours_model.parameters(), lr=1e-2), every,
+                              warmup_steps=every - 1)
+    theirs = torch.optim.AdamW(theirs_model.parameters(), lr=1e-2)
+    with LocalSGD(GlooManager(), theirs_model, theirs, sync_every=every):
+        for s in range(steps):
+            g = torch.Generator().manual_seed(10 * s + rank)
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 1, generator=g)
+            for model, opt in ((ours_model, ours), (theirs_model, theirs)):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    return max((p - q).abs().max().item()
+               for p, q in zip(ours_model.parameters(), theirs_model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_local_sgd_equals_torchfts(world):
+    # torchft averages each parameter (sum, then / N), ours the flat model (/ N, then sum): the
+    # same mean rounded in another order, a float32 ulp of the weights
+    pytest.importorskip("torchft.local_sgd")
+    for every in (1, 3, 5):
+        gaps = run_ranks(local_sgd_against_torchft_on_rank, world, every, backend="gloo")
+        assert max(gaps) < 1e-6, (every, gaps)
+
+
 def chapter4_on_rank(k: int, batches: list) -> list[torch.Tensor]:
     """Chapter 4's schedule across ranks: rank r trains on shard r of each batch."""
     from dpcourse.replicas.averaging import batch_shards
