@@ -15,8 +15,10 @@ parameters each rank used, and gives a parameter that no rank used its gradient 
 it such a gradient is zeros, which plain SGD ignores but momentum, Adam or weight decay do not.
 
 What is not here: torch's smaller first bucket (1 MiB, so that communication starts early), the
-bucket order rebuilt after the first step from the order gradients arrived in, and communication
-hooks (fp16 compression).
+bucket order rebuilt after the first step from the order gradients arrived in. Communication hooks
+(torch's ``register_comm_hook``: what replaces a bucket's all-reduce, chapter 12's compression)
+are a layer on top: :class:`HookedBucketManager` takes over a reducer's buckets and launches a
+hook instead, handing it a :class:`HookBucket`, the interface of torch's ``dist.GradBucket``.
 
 Chapter 7: gradient buckets for DistributedDataParallel.
 """
@@ -30,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MB", "bucket_assignment", "Bucket", "BucketManager"]
+__all__ = ["MB", "bucket_assignment", "Bucket", "HookBucket", "BucketManager",
+           "HookedBucketManager"]
 
 MB = 2**20  # bucket_cap_mb counts mebibytes, as torch's DDP does
 
@@ -103,6 +106,34 @@ class Bucket:
         elif p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
             p.grad = view
+
+
+class HookBucket:
+    """A :class:`Bucket` as a communication hook sees it: the methods of torch's
+    ``dist.GradBucket`` that hooks call (``buffer``, ``index``, ``is_last``, ``gradients``,
+    ``parameters``, ``set_buffer``), so that one hook runs on torch's DDP and on ours
+    (chapter 12)."""
+
+    def __init__(self, bucket: Bucket, count: int) -> None:
+        self._bucket, self._count, self._buffer = bucket, count, bucket.buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def is_last(self) -> bool:
+        return self._bucket.index == self._count - 1
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._bucket.params)
 
 
 class BucketManager:
@@ -202,3 +233,26 @@ class BucketManager:
                     p.grad = None
                 else:
                     p.grad.copy_(before[p])
+
+
+class HookedBucketManager(BucketManager):
+    """The reducer with a communication hook in place of each bucket's all-reduce, as torch's
+    ``register_comm_hook`` (chapter 12): it takes over ``reducer``'s buckets and state, and
+    launches ``hook(state, HookBucket)``, whose Future's value, the averaged gradients, is
+    copied into the bucket where the hook left it elsewhere."""
+
+    def __init__(self, reducer: BucketManager, hook, state: object) -> None:
+        self.__dict__.update(reducer.__dict__)  # the same buckets, gradients and counters
+        self.hook, self.state = hook, state
+
+    def launch(self, bucket: Bucket) -> None:
+        def into_bucket(fut: torch.futures.Future) -> torch.Tensor:
+            value = fut.value()
+            value = value[0] if isinstance(value, list) else value
+            if value.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(value.view_as(bucket.buffer))
+            return bucket.buffer
+
+        fut = self.hook(self.state, HookBucket(bucket, len(self.buckets)))
+        bucket.work = fut.then(into_bucket)
+        self.next_to_launch = bucket.index + 1

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from dpcourse.ddp.buckets import MB, Bucket, BucketManager
+from dpcourse.ddp.buckets import MB, Bucket, BucketManager, HookedBucketManager
 from dpcourse.ddp.checks import (
     check_module,
     check_process_group,
@@ -271,6 +271,16 @@ class DDP(nn.Module):
         if not self._synchronised:
             self.reducer.finish()
             self._synchronised = True
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Replace each bucket's all-reduce by ``hook(state, bucket)``, as torch's DDP's
+        ``register_comm_hook`` does: ``bucket`` has the methods of ``dist.GradBucket``
+        (:class:`~dpcourse.ddp.buckets.HookBucket`), and the hook returns a
+        ``torch.futures.Future`` whose value is the bucket's averaged gradients (the hook
+        divides by the world size). Chapter 12's compression hooks run here and on torch's."""
+        if isinstance(self.reducer, HookedBucketManager):
+            raise RuntimeError("register_comm_hook can be called once, as in torch's DDP")
+        self.reducer = HookedBucketManager(self.reducer, hook, state)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

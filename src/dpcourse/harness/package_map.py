@@ -40,6 +40,7 @@ FOLDERS: dict[str, str] = {
     "ddp": "part 4, DistributedDataParallel (chapter 7)",
     "practice": "part 5, training at scale in practice (chapter 8)",
     "sharding": "part 6, ZeRO and FSDP (chapter 9)",
+    "communicating_less": "part 7, communicating less over slow links (chapter 12)",
     "debugging": "the appendices: the diagnosis lab and the bug hunt",
     "plots": "the figures, one module per part",
     "harness": "the machinery that runs and checks the course (lesson code never imports it)",
