@@ -10,7 +10,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dpcourse.harness.exercises.core import Mismatch, call_learner, exercise
+from dpcourse.harness.exercises.core import (
+    Mismatch,
+    about,
+    call_learner,
+    call_learner_untouched,
+    exercise,
+    expect_type,
+)
 from dpcourse.one_device import memory, memory_measurement, models
 
 PARTS = ("parameters", "gradients", "optimizer_state", "activations")
@@ -23,6 +30,9 @@ def batch_growth(answer: Callable[[], dict]) -> str:
     factors = call_learner(answer)
     if not isinstance(factors, dict) or set(factors) != set(PARTS):
         raise Mismatch(f"expected a dict with the keys {list(PARTS)}, got {factors!r}")
+    for part in PARTS:
+        expect_type(factors[part], (int, float), f"the factor of {part}",
+                    "Give each factor as a number, such as 1 or 2")
     torch.manual_seed(0)
     model = models.MLP()
     # Fresh tensors for each batch: a slice would count the memory of the whole tensor.
@@ -48,12 +58,14 @@ def batch_growth(answer: Callable[[], dict]) -> str:
 @exercise("ex-1-max-batch", function="my_max_batch_size")
 def max_batch_size(fn: Callable) -> str:
     """``fn(model, sample, gpu_memory_bytes, optimizer="adam")`` against
-    :func:`dpcourse.one_device.memory.max_batch_size`, for two MLPs and budgets from tight to
-    roomy."""
+    :func:`dpcourse.one_device.memory.max_batch_size`, for two MLPs (one in float64) and budgets
+    from tight to roomy, with each optimizer the estimate knows and with the default; the model
+    and the sample must come back untouched, and the answer must be an int."""
     cases = []
-    for hidden in (32, 128):
+    for hidden, dtype in ((32, torch.float32), (128, torch.float64)):
         torch.manual_seed(0)
-        model, sample = models.MLP(hidden=hidden), torch.randn(1, 5)
+        model = models.MLP(hidden=hidden).to(dtype)
+        sample = torch.randn(1, 5, dtype=dtype)
         one = memory.estimate_training_memory(model, sample, "adam")
         fixed = one.parameters + one.gradients + one.optimizer_state
         for budget in (
@@ -63,22 +75,35 @@ def max_batch_size(fn: Callable) -> str:
             fixed + 7 * one.activations + 3,
             2**20,
         ):
-            cases.append((hidden, model, sample, budget))
-    for hidden, model, sample, budget in cases:
-        want = memory.max_batch_size(model, sample, budget, "adam")
-        got = call_learner(fn, model, sample, budget, "adam")
+            cases.append((hidden, dtype, model, sample, budget, "adam"))
+        for optimizer in ("sgd", "sgd_momentum", None):  # None: the default, not passed
+            cases.append((hidden, dtype, model, sample, fixed + 7 * one.activations, optimizer))
+    for hidden, dtype, model, sample, budget, optimizer in cases:
+        name = optimizer or "adam"
+        want = memory.max_batch_size(model, sample, budget, name)
+        args = (model, sample, budget) + ((optimizer,) if optimizer else ())
+        what = (f"MLP(hidden={hidden}) in {str(dtype).removeprefix('torch.')}, "
+                + (f"optimizer={optimizer!r}" if optimizer else "the default optimizer")
+                + f", a budget of {budget:,} bytes")
+        with about(what):
+            got = call_learner_untouched(fn, ["model", "sample"], *args)
+            expect_type(got, int, "the batch size",
+                        "A batch holds a whole number of samples: use // rather than /")
         if got != want:
-            one = memory.estimate_training_memory(model, sample, "adam")
+            one = memory.estimate_training_memory(model, sample, name)
             fixed = one.parameters + one.gradients + one.optimizer_state
             hint = ""
-            if isinstance(got, int) and got > want:
+            if got > want:
                 hint = (
                     f" (an estimate at batch {got} needs {fixed + got * one.activations:,} "
                     f"bytes, over the budget)"
                 )
+            if name != "adam" and got == memory.max_batch_size(model, sample, budget, "adam"):
+                hint += (f". That is the answer for Adam: pass `optimizer` on to "
+                         f"estimate_training_memory ({name!r} keeps less state)")
             raise Mismatch(
-                f"MLP(hidden={hidden}) with a budget of {budget:,} bytes (fixed part "
-                f"{fixed:,} bytes, {one.activations:,} bytes of activations per sample): "
-                f"expected {want}, got {got!r}{hint}"
+                f"{what} (fixed part {fixed:,} bytes, {one.activations:,} bytes of activations "
+                f"per sample): expected {want}, got {got!r}{hint}"
             )
-    return f"right on {len(cases)} budgets, including ones where not even a batch of 1 fits"
+    return (f"right on {len(cases)} budgets, with every optimizer and in float32 and float64, "
+            "including budgets where not even a batch of 1 fits")

@@ -18,6 +18,7 @@ Chapter 0: the exercise checks of the whole course.
 from __future__ import annotations
 
 import contextlib
+import copy
 import html
 import json
 import os
@@ -25,14 +26,17 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dpcourse import runtime
+from dpcourse.harness import device_audit
+from dpcourse.harness.device_audit.tags import Audit
 from dpcourse.harness.exercises import exercise_numbers, numbering
 from dpcourse.harness.launch import RankError, RankTimeoutError, run_ranks
 from dpcourse.harness.patching import library_collectives_forbidden, replaced
@@ -44,6 +48,11 @@ __all__ = [
     "exercise",
     "registry",
     "call_learner",
+    "call_learner_untouched",
+    "about",
+    "expect_type",
+    "shares_memory",
+    "as_on_gpus",
     "run_learner_on_ranks",
     "any_rank",
     "expect_close",
@@ -240,7 +249,11 @@ def call_learner(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     The student edition's ``NotImplementedError`` becomes "not attempted". Inputs are cloned
     where they are tensors, so a function that modifies its input cannot corrupt the check.
     """
-    cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    return _call(fn, args, kwargs, clone=True)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict, clone: bool) -> Any:
+    cloned = [a.clone() if clone and isinstance(a, torch.Tensor) else a for a in args]
     try:
         return fn(*cloned, **kwargs)
     except NotImplementedError as exc:
@@ -249,11 +262,178 @@ def call_learner(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         raise
     except Exception as exc:
         inputs = ", ".join(_describe(a) for a in args)
-        where = traceback.extract_tb(exc.__traceback__)[-1]
+        where = _learner_frame(fn, exc)
+        if isinstance(exc, device_audit.DeviceAuditError):  # raised under as_on_gpus
+            what = str(exc).split(" (Found by the device audit")[0]
+            raise Mismatch(
+                f"on a machine with GPUs (which this check models on the CPU) your function "
+                f"fails at line {where.lineno} ({where.line!s}): {what}"
+            ) from exc
         raise Mismatch(
             f"your function raised {type(exc).__name__}: {exc} (line {where.lineno}: "
             f"{where.line!s}) when called with ({inputs})"
         ) from exc
+
+
+def _learner_frame(fn: Callable, exc: BaseException) -> traceback.FrameSummary:
+    """The last line of the learner's own code in ``exc``'s traceback (the last line of all
+    where none is theirs, a lambda's say)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    if mine is None:  # a class, or a callable object: the file its class was written in
+        mine = getattr(getattr(type(fn), "__init__", None), "__code__", None)
+        mine = getattr(mine, "co_filename", None)
+    return next((f for f in reversed(frames) if f.filename == mine), frames[-1])
+
+
+@contextlib.contextmanager
+def about(what: str) -> Iterator[None]:
+    """Prefix the message of a :class:`Mismatch` raised inside with ``what``: the input it was
+    raised on, in the learner's terms ("shards of sizes [10, 30]: ...")."""
+    try:
+        yield
+    except Mismatch as exc:
+        raise Mismatch(f"{what}: {exc}") from exc.__cause__
+
+
+def expect_type(got: Any, kind: type | tuple[type, ...], what: str, hint: str = "") -> None:
+    """Raise :class:`Mismatch` unless ``got`` is a ``kind`` (a bool is no number here), so that a
+    check never fails inside its own code on an answer of another type."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(got, kinds) and not (isinstance(got, bool) and bool not in kinds):
+        return
+    names = " or ".join(k.__name__ for k in kinds)
+    raise Mismatch(f"{what}: expected {names}, got {type(got).__name__} {_describe(got)}"
+                   + (f". {hint}" if hint else ""))
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of ``value`` to compare with after the learner's call: tensors cloned, a module as
+    its state and gradients, containers copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, nn.Module):
+        state = {k: v.detach().clone() for k, v in value.state_dict().items()}
+        grads = {n: p.grad.detach().clone() for n, p in value.named_parameters()
+                 if p.grad is not None}
+        return _ModuleState(state, grads)
+    if isinstance(value, dict):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_snapshot(v) for v in value]
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # what cannot be copied is not compared
+        return _ModuleState({}, {})
+
+
+@dataclass
+class _ModuleState:
+    state: dict
+    grads: dict
+
+
+def _same_tensor(a: torch.Tensor, b: Any) -> bool:
+    if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.device.type == "meta" or b.device.type == "meta":
+        return a.device == b.device
+    return bool(torch.equal(a.cpu(), b.detach().cpu())
+                or (a.is_floating_point() and torch.equal(a.isnan(), b.detach().cpu().isnan())
+                    and torch.equal(a.nan_to_num(), b.detach().cpu().nan_to_num())))
+
+
+def _first_change(before: Any, after: Any, path: str) -> str | None:
+    """Where ``after`` differs from the snapshot ``before`` (a path such as ``shard_grads[0]``),
+    or None."""
+    if isinstance(before, torch.Tensor):
+        return None if _same_tensor(before, after) else path
+    if isinstance(before, _ModuleState):
+        if not isinstance(after, nn.Module):
+            return None if not before.state else path
+        now = after.state_dict()
+        for k, v in before.state.items():
+            if k not in now or not _same_tensor(v, now[k]):
+                return f"{path}.{k}"
+        grads = {n: p.grad for n, p in after.named_parameters() if p.grad is not None}
+        for k in sorted(set(grads) | set(before.grads)):
+            if k not in grads or k not in before.grads or not _same_tensor(before.grads[k],
+                                                                          grads[k]):
+                return f"{path}.{k}.grad"
+        return None
+    if isinstance(before, dict):
+        if not isinstance(after, dict) or set(after) != set(before):
+            return path
+        return next((found for k in before
+                     if (found := _first_change(before[k], after[k], f"{path}[{k!r}]"))), None)
+    if isinstance(before, list):
+        if not isinstance(after, list | tuple) or len(after) != len(before):
+            return path
+        return next((found for i, (b, a) in enumerate(zip(before, after, strict=True))
+                     if (found := _first_change(b, a, f"{path}[{i}]"))), None)
+    try:
+        return None if bool(before == after) else path
+    except Exception:
+        return None
+
+
+def call_learner_untouched(fn: Callable, names: Sequence[str], *args: Any) -> Any:
+    """Call ``fn(*args)`` as :func:`call_learner` does, but with the check's own arguments (not
+    clones, so that what it returns can be compared with them: views, aliasing), and raise
+    :class:`Mismatch` if the call changed one of them (``names``: the arguments' names in the
+    statement, ``"shard_grads"``)."""
+    before = [_snapshot(a) for a in args]
+    got = _call(fn, args, {}, clone=False)
+    for name, b, a in zip(names, before, args, strict=False):
+        changed = _first_change(b, a, name)
+        if changed:
+            raise Mismatch(
+                f"your function changed its argument {changed} (in place: +=, add_, mul_, "
+                "copy_, reverse(), sort(), ...). The exercise does not ask for that, and the "
+                "caller still needs what it passed: compute into new tensors or lists"
+            )
+    return got
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` use one storage (writing one can change the other)."""
+    if "meta" in (a.device.type, b.device.type):
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.nbytes() > 0 and sa.data_ptr() == sb.data_ptr()
+
+
+def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, nn.Module):
+        yield from obj.parameters()
+        yield from obj.buffers()
+    elif isinstance(obj, list | tuple):
+        for o in obj:
+            yield from _tensors_of(o)
+
+
+@contextlib.contextmanager
+def as_on_gpus(host: Iterable[Any] = (), device: Iterable[Any] = ()) -> Iterator[bool]:
+    """Run the learner's code, on this CPU, as on a machine with GPUs: the tensors and modules in
+    ``device`` are tagged as living on a GPU and those in ``host`` on the CPU (the device audit's
+    tags, :mod:`dpcourse.harness.device_audit`), and an operation that mixes them
+    (``torch.empty(n)`` added to a GPU tensor, a CPU gradient given to a GPU parameter) raises
+    the error CUDA would, which :func:`call_learner` reports as the learner's. The audit cannot
+    tell two GPUs apart: only host against GPU is modelled. Where CUDA is in use the real devices
+    show such errors, and nothing is modelled. Yields whether the devices are modelled."""
+    if torch.cuda.is_available():
+        yield False
+        return
+    for value, where in ((host, "host"), (device, "device")):
+        for t in _tensors_of(list(value)):
+            device_audit.tag(t, where)
+    if device_audit.enabled():  # the whole process is audited already (make audit)
+        yield True
+        return
+    with Audit():
+        yield True
 
 
 def run_learner_on_ranks(
