@@ -5,6 +5,7 @@ Chapter 5: checks for the collectives exercises.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,7 @@ from dpcourse.collectives import tree_rounds
 from dpcourse.harness.exercises.core import (
     Mismatch,
     any_rank,
+    as_on_gpus,
     call_collective,
     call_learner,
     exercise,
@@ -23,6 +25,9 @@ from dpcourse.harness.exercises.core import (
 
 WORLD_SIZES = (2, 4, 5)
 RANK_TIMEOUT = 40.0  # seconds for one world size; a deadlock ends here
+# The tensors broadcast from every root: one value, and tensors of other dtypes and shapes (a
+# receive buffer made with torch.empty(n) is float32 and 1-D)
+TENSORS = (((1,), torch.float32), ((7,), torch.float64), ((4, 250), torch.bfloat16))
 
 
 def _broadcast_on_rank(fn: Callable) -> list[str]:
@@ -32,12 +37,14 @@ def _broadcast_on_rank(fn: Callable) -> list[str]:
     problems = []
     rounds = (world - 1).bit_length()  # ceil(log2 N)
     for src in range(world):
-        for n in (1, 7, 1000):
-            x = torch.arange(n, dtype=torch.float32, device=runtime.device()) + 100 * rank
+        for shape, dtype in TENSORS:
+            n = math.prod(shape)
+            x = (torch.arange(n, device=runtime.device()).reshape(shape) + 100 * rank).to(dtype)
             want = x.clone()
             dist.broadcast(want, src)
             got = x.clone()
-            _, sent = call_collective(fn, got, src)
+            with as_on_gpus(device=[got]):
+                _, sent = call_collective(fn, got, src)
             if sent is None:
                 problems.append(
                     "your function called one of torch.distributed's collectives (such as "
@@ -57,13 +64,19 @@ def _broadcast_on_rank(fn: Callable) -> list[str]:
                     f"ceil(log2 {world}) = {rounds} rounds: passing the data on from rank to "
                     "rank is a relay of N-1 rounds, not a tree"
                 )
-            elif not torch.equal(got, want):
-                wrong = (got != want).nonzero()[0].item()
-                problems.append(
-                    f"world size {world}, root {src}, {n} elements: rank {rank} ended with "
-                    f"{got[wrong].item():g} at index {wrong}, expected {want[wrong].item():g} "
-                    f"(rank {src}'s value)"
-                )
+            elif not (got.shape == want.shape and got.dtype == want.dtype
+                      and torch.equal(got, want)):
+                what = f"world size {world}, root {src}, a tensor of shape {shape}, {dtype}"
+                if got.shape != want.shape or got.dtype != want.dtype:
+                    problems.append(f"{what}: rank {rank}'s tensor became {tuple(got.shape)}, "
+                                    f"{got.dtype}: receive into the tensor you were given")
+                else:
+                    wrong = (got != want).flatten().nonzero()[0].item()
+                    problems.append(
+                        f"{what}: rank {rank} ended with {got.flatten()[wrong].item():g} at "
+                        f"(flat) index {wrong}, expected {want.flatten()[wrong].item():g} "
+                        f"(rank {src}'s value)"
+                    )
             if any_rank(bool(problems)):
                 return problems
     return problems
@@ -71,8 +84,9 @@ def _broadcast_on_rank(fn: Callable) -> list[str]:
 
 @exercise("ex-5-tree-broadcast", function="my_tree_broadcast", timeout=120)
 def tree_broadcast(fn: Callable) -> str:
-    """``fn(tensor, src)`` broadcasts in place on world sizes 2, 4 and 5, from every root, with
-    the root sending exactly ceil(log2 N) messages of the data (float tensors passed to
+    """``fn(tensor, src)`` broadcasts in place on world sizes 2, 4 and 5, from every root,
+    tensors of one value, of float64 and of 2-D bfloat16 (:data:`TENSORS`), with the root
+    sending exactly ceil(log2 N) messages of the data (float tensors passed to
     ``dist.send``/``dist.isend``/``batch_isend_irecv``). Rejects a line (the root sends to
     everyone), a relay (each rank passes it to the next) and ``dist.broadcast`` itself."""
     for world in WORLD_SIZES:

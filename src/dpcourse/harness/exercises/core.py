@@ -460,7 +460,27 @@ def run_learner_on_ranks(
             raise NotAttempted(str(exc.original) or "the function is not written yet") from None
         if isinstance(exc.original, Mismatch):  # a comparison made on the rank itself
             raise Mismatch(f"on rank {exc.rank} of {world_size}: {exc.original}") from None
-        raise Mismatch(f"on {world_size} ranks: {exc}") from None
+        shown = _without_check_frames(exc.remote_traceback)
+        raise Mismatch(f"on {world_size} ranks: rank {exc.rank} of {world_size} {exc.summary}"
+                       + (f"\n\n{shown}" if shown else "")) from None
+
+
+# Frames of the checks and of the launcher: what a learner's traceback from a rank is cut to
+# show (their own code, and the library calls it made)
+_CHECK_FRAMES = ("/dpcourse/harness/",)
+
+
+def _without_check_frames(text: str) -> str:
+    """A rank's traceback without the frames of the check's and the launcher's own code."""
+    lines, kept, skipping = text.rstrip().splitlines(), [], False
+    for line in lines:
+        if line.startswith("  File "):
+            skipping = any(part in line for part in _CHECK_FRAMES)
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept) if any(k.startswith("  File ") for k in kept) else ""
 
 
 @contextlib.contextmanager
@@ -500,7 +520,7 @@ def call_collective(fn: Callable, *args: Any) -> tuple[Any, list[tuple[int, int]
     torch.distributed's own collectives (which the exercise is to build from messages)."""
     try:
         with learner_messages() as sent:
-            returned = fn(*args)
+            returned = _call(fn, args, {}, clone=False)
     except AssertionError as exc:
         if "library collective" not in str(exc):
             raise
