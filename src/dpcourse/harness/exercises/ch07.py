@@ -18,7 +18,15 @@ from torch.utils.data import DistributedSampler
 
 from dpcourse import runtime
 from dpcourse.ddp import buckets
-from dpcourse.harness.exercises.core import Mismatch, call_learner, exercise, run_learner_on_ranks
+from dpcourse.harness.exercises.core import (
+    Mismatch,
+    as_on_gpus,
+    call_learner,
+    call_learner_in_place,
+    call_learner_untouched,
+    exercise,
+    run_learner_on_ranks,
+)
 from dpcourse.harness.exercises.waits import BackwardWatch, is_blocking
 from dpcourse.one_device import models
 
@@ -62,15 +70,19 @@ def bucket_assignment(fn: Callable) -> str:
     """``fn(param_bytes, cap_bytes)`` groups parameter indices into buckets like
     :func:`dpcourse.ddp.buckets.bucket_assignment` (torch's rule): reverse order, a bucket closes
     once it reaches ``cap_bytes``. Rejects forward order and closing before the cap is reached
-    (a rule that keeps every bucket within the cap), saying which it was."""
+    (a rule that keeps every bucket within the cap), saying which it was, and a ``param_bytes``
+    changed in place (the caller's list of sizes)."""
 
     for sizes, cap in BUCKET_CASES:
         want = buckets.bucket_assignment(sizes, cap)
-        got = call_learner(fn, list(sizes), cap)
         where = f"param_bytes={sizes}, cap_bytes={cap}"
         try:
+            got = call_learner_untouched(fn, ["param_bytes"], list(sizes), cap)
+        except Mismatch as exc:
+            raise Mismatch(f"{where}: {exc}") from None
+        try:
             got = [list(map(int, b)) for b in got]
-        except TypeError:
+        except (TypeError, ValueError):
             raise Mismatch(f"{where}: expected a list of lists of indices, got {got!r}") from None
         if got == want:
             continue
@@ -134,21 +146,36 @@ def _hook_on_rank(fn: Callable) -> str | None:
     backend_bumps = probe._version - before
     launches: list[tuple[torch.Tensor, int]] = []
     real_all_reduce = dist.all_reduce
+    watch = BackwardWatch()  # whether a wait happens while backward runs
 
     def recording(tensor, *args, **kwargs):
         launches.append((tensor, tensor._version))
-        return real_all_reduce(tensor, *args, **kwargs)
+        index = len(launches) - 1
+        if watch.running and is_blocking(real_all_reduce, (tensor, *args), kwargs):
+            watch.note(f"the all-reduce of gradient {index}", index, "blocking")
+        return watch.work(real_all_reduce(tensor, *args, **kwargs),
+                          f"the all-reduce of gradient {index}", index)
 
-    handles = [
-        p.register_post_accumulate_grad_hook(lambda p: fn(p, pending)) for p in model.parameters()
-    ]
     dist.all_reduce = recording
     try:
-        F.mse_loss(model(x), y).backward()
+        with as_on_gpus(device=[model]):  # a gradient moved to the CPU fails as on a GPU
+            handles = [
+                p.register_post_accumulate_grad_hook(
+                    lambda p: call_learner_in_place(fn, p, pending))
+                for p in model.parameters()
+            ]
+            loss = F.mse_loss(model(x), y)
+            watch.begin(loss)
+            loss.backward()
+            watch.end()
     finally:
         dist.all_reduce = real_all_reduce
     for h in handles:
         h.remove()
+    if watch.first is not None:
+        return watch.first.message(
+            "launch it with async_op=True, append its Work to `pending` and return: the caller "
+            "waits for them all once backward is over")
     launched = len(pending)
     if any(w is None for w in pending):
         return (
@@ -191,7 +218,9 @@ def _hook_on_rank(fn: Callable) -> str | None:
 def launch_all_reduce(fn: Callable) -> str:
     """``fn(param, pending)``, called by a post-accumulate-grad hook, must launch an
     asynchronous all-reduce of ``param.grad`` divided by the world size and append its Work to
-    ``pending``; after waiting for them, every gradient is the ranks' mean."""
+    ``pending``; after waiting for them, every gradient is the ranks' mean. A wait inside
+    backward (``wait()`` in the hook, or no ``async_op=True``) is rejected, as is a gradient
+    changed after its launch; the model is modelled on a GPU (:func:`as_on_gpus`)."""
     for world in (2, 3):
         problems = run_learner_on_ranks(_hook_on_rank, world, fn, timeout=RANK_TIMEOUT)
         problem = next((p for p in problems if p), None)
@@ -211,7 +240,10 @@ def epoch_indices(fn: Callable) -> str:
         s.set_epoch(epoch)
         return list(s)
 
-    for n, world, seed in [(10, 2, 0), (12, 4, 3), (11, 3, 0), (3, 4, 1), (7, 1, 2)]:
+    # fewer samples than ranks too (3 on 4, 1 on 4, 2 on 7): the padding repeats the
+    # permutation more than once
+    for n, world, seed in [(10, 2, 0), (12, 4, 3), (11, 3, 0), (3, 4, 1), (7, 1, 2), (1, 4, 0),
+                           (2, 7, 5)]:
         for epoch in (0, 1, 2):
             for rank in range(world):
                 want = sampler(n, world, rank, epoch, seed)
@@ -219,7 +251,7 @@ def epoch_indices(fn: Callable) -> str:
                 where = f"{n} samples, {world} ranks, rank {rank}, epoch {epoch}, seed {seed}"
                 try:
                     got = [int(i) for i in got]
-                except TypeError:
+                except (TypeError, ValueError, RuntimeError):
                     raise Mismatch(f"{where}: expected a list of indices, got {got!r}") from None
                 if got == want:
                     continue
@@ -230,11 +262,13 @@ def epoch_indices(fn: Callable) -> str:
                         "set_epoch changes), so every epoch is shuffled anew"
                     )
                 if len(got) != len(want):
+                    again = (" (with fewer samples than ranks the permutation is repeated "
+                             "more than once: order[:padding] is too short)" if n < world else "")
                     raise Mismatch(
                         f"{where}: {len(got)} indices, expected {len(want)}. Every "
                         "rank gets ceil(n / N): the permutation is padded by "
                         "repeating its first indices, so that all ranks take as "
-                        "many steps"
+                        f"many steps{again}"
                     )
                 g = torch.Generator().manual_seed(seed + epoch)
                 perm = torch.randperm(n, generator=g).tolist()
@@ -265,7 +299,8 @@ def _average_on_rank(fn: Callable) -> str | None:
         want[n] = grad.clone()
         dist.all_reduce(want[n])
         want[n] /= world
-    fn(model)
+    with as_on_gpus(device=[model]):  # a gradient made on the CPU fails as on a GPU
+        call_learner(fn, model)
     if model.fc1.bias.grad is not None:
         return "the frozen fc1.bias now has a gradient: skip parameters without requires_grad"
     for n, p in model.named_parameters():
@@ -284,7 +319,8 @@ def _average_on_rank(fn: Callable) -> str | None:
 @exercise("ex-7-average", function="my_all_reduce_gradients", timeout=120)
 def all_reduce_gradients(fn: Callable) -> str:
     """``fn(module)`` after backward leaves in every gradient the mean over the ranks (step 2),
-    skipping frozen parameters."""
+    skipping frozen parameters; the model is modelled on a GPU (:func:`as_on_gpus`), where a
+    gradient made or moved to the CPU fails."""
     for world in (2, 3):
         problems = run_learner_on_ranks(_average_on_rank, world, fn, timeout=RANK_TIMEOUT)
         problem = next((p for p in problems if p), None)
@@ -616,7 +652,12 @@ def _ddp_case(fn: Callable, cap: int, side) -> str | None:
     numels = [sum(params[n].numel() for n in b) for b in bucket_names]
     launches = _Launches(side, bucket_names, numels, {n: p.numel() for n, p in params.items()},
                          dist.all_reduce)
-    learner = fn(model, cap)
+    with as_on_gpus(device=[model]):
+        learner = call_learner(fn, model, cap)
+    for method in ("no_sync", "finish"):
+        if not callable(getattr(learner, method, None)):
+            return (f"bucket_cap_bytes={cap}: my_bucketed_ddp returned {type(learner).__name__}, "
+                    f"which has no method {method}(): return the object (MyBucketedDDP(...))")
     optimizer = torch.optim.SGD(model.parameters(), lr=DDP_LR)
 
     def before(inside: bool, loss: torch.Tensor) -> None:
@@ -629,10 +670,11 @@ def _ddp_case(fn: Callable, cap: int, side) -> str | None:
             optimizer.zero_grad(set_to_none=True)
             launches.step = step
             try:
-                _run_step(model, rank, step, device, learner.no_sync, before)
-                launches.inside_no_sync, launches.in_backward = False, False
-                launches.backward.end()
-                learner.finish()
+                with as_on_gpus(device=[model]):  # a CPU tensor among the gradients fails
+                    _run_step(model, rank, step, device, learner.no_sync, before)
+                    launches.inside_no_sync, launches.in_backward = False, False
+                    launches.backward.end()
+                    call_learner(learner.finish)
                 launches.end_of_step()
             except Exception:
                 if launches.problem:  # found on every rank at the same all_gather

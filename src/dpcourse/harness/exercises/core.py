@@ -49,6 +49,7 @@ __all__ = [
     "registry",
     "call_learner",
     "call_learner_untouched",
+    "call_learner_in_place",
     "about",
     "expect_type",
     "shares_memory",
@@ -252,6 +253,13 @@ def call_learner(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     return _call(fn, args, kwargs, clone=True)
 
 
+def call_learner_in_place(fn: Callable, *args: Any) -> Any:
+    """Call ``fn(*args)`` as :func:`call_learner` does, on the check's own objects rather than
+    clones: for a function whose job is to change them (a gradient hook, an in-place
+    collective)."""
+    return _call(fn, args, {}, clone=False)
+
+
 def _call(fn: Callable, args: tuple, kwargs: dict, clone: bool) -> Any:
     cloned = [a.clone() if clone and isinstance(a, torch.Tensor) else a for a in args]
     try:
@@ -271,7 +279,7 @@ def _call(fn: Callable, args: tuple, kwargs: dict, clone: bool) -> Any:
             ) from exc
         raise Mismatch(
             f"your function raised {type(exc).__name__}: {exc} (line {where.lineno}: "
-            f"{where.line!s}) when called with ({inputs})"
+            f"{where.line!s})" + (f" when called with ({inputs})" if args else "")
         ) from exc
 
 
@@ -432,8 +440,41 @@ def as_on_gpus(host: Iterable[Any] = (), device: Iterable[Any] = ()) -> Iterator
     if device_audit.enabled():  # the whole process is audited already (make audit)
         yield True
         return
-    with Audit():
+    mode = Audit()
+    with mode, _hooks_under(mode):
         yield True
+
+
+@contextlib.contextmanager
+def _hooks_under(mode: Audit) -> Iterator[None]:
+    """Gradient hooks registered meanwhile run under ``mode`` while it lasts: the autograd engine
+    calls them with no function mode active, so a tensor a hook makes would go unchecked (what
+    :func:`dpcourse.harness.device_audit.tags.audit_autograd_hooks` does for the whole process
+    under ``make audit``)."""
+    names = ("register_hook", "register_post_accumulate_grad_hook")
+    real = {name: getattr(torch.Tensor, name) for name in names}
+    lasting = [True]
+
+    def registering(name: str) -> Callable:
+        def register(self, hook):
+            def under_mode(*args, **kwargs):
+                if not lasting[0] or mode in torch.overrides._get_current_function_mode_stack():
+                    return hook(*args, **kwargs)
+                with mode:
+                    return hook(*args, **kwargs)
+
+            return real[name](self, under_mode)
+
+        return register
+
+    for name in names:
+        setattr(torch.Tensor, name, registering(name))
+    try:
+        yield
+    finally:
+        lasting[0] = False
+        for name, fn in real.items():
+            setattr(torch.Tensor, name, fn)
 
 
 def run_learner_on_ranks(
