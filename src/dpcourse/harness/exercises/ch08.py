@@ -17,7 +17,16 @@ from torch import nn
 
 from dpcourse.ddp import ddp
 from dpcourse.harness.bench import elastic, recorded
-from dpcourse.harness.exercises.core import Mismatch, call_learner, exercise, run_learner_on_ranks
+from dpcourse.harness.exercises.core import (
+    Mismatch,
+    as_on_gpus,
+    call_learner,
+    call_learner_untouched,
+    collectives_called,
+    exercise,
+    expect_on_device_of,
+    run_learner_on_ranks,
+)
 from dpcourse.practice import lr_schedule
 from dpcourse.runtime import device
 
@@ -65,41 +74,75 @@ class _Unpicklable:
 def atomic_save(fn: Callable) -> str:
     """``fn(obj, path)`` must save ``obj`` with ``torch.save`` so that a failure during the write
     leaves the previous file at ``path`` intact: temporary file in the same directory, fsync,
-    ``os.replace``."""
+    ``os.replace``, in that order (the temporary file fsynced before it is renamed; the old file
+    never removed first), and the failure raised to the caller. ``path`` is a ``str`` once and a
+    ``pathlib.Path`` once, as callers pass either."""
     renames: list[tuple[str, str]] = []
     fsyncs: list[int] = []
+    # ("fsync", inode), ("rename", inode of the file renamed), ("remove", path): in order
+    events: list[tuple[str, int | str]] = []
     real_replace, real_rename, real_fsync = os.replace, os.rename, os.fsync
+    real_remove, real_unlink = os.remove, os.unlink
+
+    def inode(path) -> int:
+        try:
+            return os.stat(path).st_ino
+        except OSError:
+            return -1
 
     def spy_replace(src, dst, *a, **k):
         renames.append((os.fspath(src), os.fspath(dst)))
+        events.append(("rename", inode(src)))
         return real_replace(src, dst, *a, **k)
 
     def spy_rename(src, dst, *a, **k):
         renames.append((os.fspath(src), os.fspath(dst)))
+        events.append(("rename", inode(src)))
         return real_rename(src, dst, *a, **k)
 
     def spy_fsync(fd):
         fsyncs.append(fd)
+        try:
+            events.append(("fsync", os.fstat(fd).st_ino))
+        except (OSError, TypeError, ValueError):
+            pass
         return real_fsync(fd)
+
+    def spy_remove(path, *a, **k):
+        events.append(("remove", os.path.realpath(path)))
+        return real_remove(path, *a, **k)
+
+    def spy_unlink(path, *a, **k):
+        events.append(("remove", os.path.realpath(path)))
+        return real_unlink(path, *a, **k)
 
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "ckpt" / "latest.pt"
         target.parent.mkdir()
         first = {"step": 1, "w": torch.arange(6.0)}
         os.replace, os.rename, os.fsync = spy_replace, spy_rename, spy_fsync
+        os.remove, os.unlink = spy_remove, spy_unlink
+        raised = True
         try:
             call_learner(fn, first, str(target))
             good = {"step": 2, "w": torch.arange(6.0) * 2}
-            call_learner(fn, good, str(target))
-            renames_before_failure = list(renames)
+            events.clear()  # the second save overwrites a file: its order is the one looked at
+            try:
+                call_learner(fn, good, target)  # a pathlib.Path this time
+            except Mismatch as exc:
+                raise Mismatch(f"saving to a pathlib.Path (callers pass str or Path): {exc}") \
+                    from None
+            renames_before_failure, second_save = list(renames), list(events)
             try:
                 fn({"step": 3, "w": torch.zeros(1000), "bad": _Unpicklable()}, str(target))
+                raised = False
             except NotImplementedError:
                 raise
             except Exception:
-                pass  # raising is fine (and right: the caller must know the save failed)
+                pass  # right: the caller must know the save failed
         finally:
             os.replace, os.rename, os.fsync = real_replace, real_rename, real_fsync
+            os.remove, os.unlink = real_remove, real_unlink
         if not target.exists():
             raise Mismatch(f"after saving, {target.name} does not exist")
         try:
@@ -133,6 +176,13 @@ def atomic_save(fn: Callable) -> str:
                 "rename, or after a power cut the new name can point to a file whose bytes never "
                 "reached the disk"
             )
+        _expect_order(second_save, os.path.realpath(target))
+        if not raised:
+            raise Mismatch(
+                "when torch.save failed half-way, your function returned as if the checkpoint "
+                "were saved: clean up the temporary file, then re-raise (`raise` in the except "
+                "block), so that the caller knows the newest checkpoint is still the old one"
+            )
         leftovers = [p.name for p in target.parent.iterdir() if p.name != target.name]
         if leftovers:
             raise Mismatch(
@@ -140,6 +190,31 @@ def atomic_save(fn: Callable) -> str:
                 "when the write fails (try/except, then re-raise)"
             )
     return "a failed write leaves the previous file intact; temporary file beside it, fsynced"
+
+
+def _expect_order(events: list[tuple[str, int | str]], target: str) -> None:
+    """The second save's file operations, which replace an existing checkpoint: the file renamed
+    into place must have been fsynced before the rename, and the old checkpoint must not have
+    been removed before it (a crash in between would leave none)."""
+    renamed = next((i for i, (kind, _) in enumerate(events) if kind == "rename"), None)
+    if renamed is None:
+        return  # not renamed: said above
+    removed = [i for i, (kind, what) in enumerate(events[:renamed])
+               if kind == "remove" and what == target]
+    if removed:
+        raise Mismatch(
+            "you removed the old checkpoint before renaming the new one into place: a crash "
+            "between the two leaves no checkpoint at all. os.replace(temporary, path) replaces "
+            "the old file in one atomic step: no need to remove it first"
+        )
+    moved = events[renamed][1]
+    synced = [i for i, (kind, what) in enumerate(events) if kind == "fsync" and what == moved]
+    if synced and synced[0] > renamed:
+        raise Mismatch(
+            "you fsynced the temporary file after renaming it into place: until the fsync its "
+            "bytes may not be on the disk, so a power cut in between leaves the name pointing "
+            "to an incomplete file. Write, flush, fsync, then os.replace"
+        )
 
 
 # --------------------------------------------------------------------------- ex-8-amp
@@ -151,14 +226,20 @@ VARIANTS = {
     "clip_scaled": ("reduce", "clip", "unscale"),
     "no_all_reduce": ("unscale", "clip"),
     "unscale_then_reduce": ("unscale", "reduce", "clip"),
+    # not orders but the other things a step can get wrong, told apart the same way
+    "no_zero_grad": ("reduce", "unscale", "clip"),
+    "float32_forward": ("reduce", "unscale", "clip"),
+    "bfloat16_forward": ("reduce", "unscale", "clip"),
 }
 MAX_NORM = 0.05
 
 
 def _variant_step(model, x, y, optimizer, scaler, order):
-    with torch.autocast(x.device.type, dtype=torch.float16):
+    dtype = torch.bfloat16 if order == "bfloat16_forward" else torch.float16
+    with torch.autocast(x.device.type, dtype=dtype, enabled=order != "float32_forward"):
         loss = nn.functional.mse_loss(model(x), y)
-    optimizer.zero_grad(set_to_none=True)
+    if order != "no_zero_grad":
+        optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     actions = {
         "reduce": lambda: ddp.all_reduce_gradients(model),
@@ -194,7 +275,7 @@ def _amp_on_rank(fn: Callable) -> list[str]:
     model, optimizer, scaler, batches = _amp_setup(rank)
     learner = []
     for x, y in batches:
-        fn(model, x, y, optimizer, scaler, MAX_NORM)
+        call_learner(fn, model, x, y, optimizer, scaler, MAX_NORM)
         learner.append(([p.detach().clone() for p in model.parameters()], scaler.get_scale()))
     runs = {}
     for order in VARIANTS:
@@ -220,6 +301,13 @@ def _amp_on_rank(fn: Callable) -> list[str]:
         "clip_scaled": "you clipped before unscaling, so the norm you limited was S times too "
         "large; call scaler.unscale_(optimizer) first",
         "no_all_reduce": "the gradients were not averaged over the ranks",
+        "no_zero_grad": "the gradients of the steps before were still there: zero them "
+        "(optimizer.zero_grad(set_to_none=True)) before backward, or they accumulate",
+        "float32_forward": "your forward did not run in float16 on this device: use "
+        "torch.autocast(x.device.type, dtype=torch.float16), which follows the batch to "
+        "whatever device it is on (a hard-coded 'cuda' autocasts nothing on a CPU)",
+        "bfloat16_forward": "your forward ran in bfloat16; the exercise asks for float16 "
+        "autocast, the dtype that needs the loss scaling",
     }
     for i, got in enumerate(learner):
         if same(got, runs["reduce_then_unscale"][i]):
@@ -239,7 +327,8 @@ def _amp_on_rank(fn: Callable) -> list[str]:
 @exercise("ex-8-amp", function="my_amp_step", timeout=120)
 def amp_step(fn: Callable) -> str:
     """``fn(model, x, y, optimizer, scaler, max_norm)`` on 2 ranks: three float16 steps and one
-    where rank 1's gradients overflow, against the right order and five wrong ones."""
+    where rank 1's gradients overflow, against the right order and five wrong ones, and steps
+    that forget zero_grad, autocast on the batch's device or its float16 dtype."""
     results = run_learner_on_ranks(_amp_on_rank, 2, fn, timeout=RANK_TIMEOUT)
     problems = [p for r in results for p in r]
     if problems:
@@ -259,11 +348,28 @@ def _stats_on_rank(fn: Callable, sizes: list[int]) -> list[str]:
     full += torch.repeat_interleave(offsets, torch.tensor(sizes)).unsqueeze(1)
     start = sum(sizes[:rank])
     mine = full[start : start + sizes[rank]]
-    got = fn(mine.clone().to(device()))  # float64 on the rank's device
     where = f"{len(sizes)} ranks with batches of {sizes}"
-    if not (isinstance(got, (tuple, list)) and len(got) == 2):
-        return [f"{where}: expected (mean, var), got {type(got).__name__}"]
-    mean, var = (t.cpu() if isinstance(t, torch.Tensor) else t for t in got)
+    x = mine.clone().to(device())  # float64 on the rank's device, modelled on a GPU on a CPU
+    try:
+        with collectives_called() as calls, as_on_gpus(device=[x]):
+            got = call_learner_untouched(fn, ["x"], x)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            return [f"{where}: expected (mean, var), got {type(got).__name__}"]
+        for name, t in zip(("mean", "var"), got, strict=True):
+            if not isinstance(t, torch.Tensor):
+                return [f"{where}: expected (mean, var) as two tensors, got the {name} as "
+                        f"{type(t).__name__}"]
+            expect_on_device_of(t, x, f"the {name}")
+    except Mismatch as exc:
+        return [f"{where}: {exc}"]
+    mean, var = (t.cpu() for t in got)
+    for name, t in (("mean", mean), ("var", var)):
+        if t.shape != (full.shape[1],) or t.dtype != full.dtype:
+            return [f"{where}: your {name} has shape {tuple(t.shape)} and dtype {t.dtype}; "
+                    f"expected shape ({full.shape[1]},), one value per channel, in x's dtype "
+                    f"{full.dtype} (statistics kept in a lower precision than the input lose "
+                    "digits)"]
+
     want_mean, want_var = full.mean(0), full.var(0, unbiased=False)
     chunks = torch.split(full, sizes)
     mean_of_means = torch.stack([c.mean(0) for c in chunks]).mean(0)
@@ -290,13 +396,19 @@ def _stats_on_rank(fn: Callable, sizes: list[int]) -> list[str]:
                 "ranks' means: all-reduce the sums of squares and use E[x²] - E[x]²"
             ]
         return [f"{where}: rank {rank}'s variance is {var!r}, expected {want_var}"]
+    if len(calls) > 1:
+        return [f"{where}: rank {rank} called {len(calls)} collectives ({', '.join(calls)}); "
+                "one is enough: put the sums, the sums of squares and the count in one tensor "
+                "(torch.cat) and all-reduce it once, one latency instead of several"]
     return []
 
 
 @exercise("ex-8-syncbn", function="my_global_stats", timeout=120)
 def syncbn_stats(fn: Callable) -> str:
     """``fn(x)`` with ``x`` of shape ``(B_r, C)`` on each rank returns the global batch's
-    per-channel ``(mean, biased variance)``, on 3 ranks with uneven batches and on 2."""
+    per-channel ``(mean, biased variance)``, on 3 ranks with uneven batches and on 2: float64
+    tensors of shape ``(C,)`` on ``x``'s device (modelled on a GPU on a CPU), with one
+    collective, ``x`` left untouched."""
     for sizes in ([2, 5, 9], [4, 4]):
         results = run_learner_on_ranks(_stats_on_rank, len(sizes), fn, sizes, timeout=RANK_TIMEOUT)
         problems = [p for r in results for p in r]

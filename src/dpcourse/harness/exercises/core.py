@@ -39,7 +39,11 @@ from dpcourse.harness import device_audit
 from dpcourse.harness.device_audit.tags import Audit
 from dpcourse.harness.exercises import exercise_numbers, numbering
 from dpcourse.harness.launch import RankError, RankTimeoutError, run_ranks
-from dpcourse.harness.patching import library_collectives_forbidden, replaced
+from dpcourse.harness.patching import (
+    LIBRARY_COLLECTIVES,
+    library_collectives_forbidden,
+    replaced,
+)
 
 __all__ = [
     "Mismatch",
@@ -54,6 +58,8 @@ __all__ = [
     "expect_type",
     "shares_memory",
     "as_on_gpus",
+    "collectives_called",
+    "expect_on_device_of",
     "run_learner_on_ranks",
     "any_rank",
     "expect_close",
@@ -553,6 +559,46 @@ def learner_messages() -> Iterator[list[tuple[int, int]]]:
     # both names (_patching): P2POp accepts only c10d.isend, and batch_isend_irecv calls it
     with replaced({"send": counting, "isend": counting}), library_collectives_forbidden():
         yield log
+
+
+@contextlib.contextmanager
+def collectives_called() -> Iterator[list[str]]:
+    """While a learner's code runs on a rank: the names of the torch.distributed collectives it
+    calls, in order, for a check of what the statement asks (one collective for SyncBatchNorm's
+    statistics; a reduce-scatter, not an all-reduce and a slice, for ZeRO)."""
+    calls: list[str] = []
+    inside = threading.local()  # a collective that calls another by name: count the outer one
+
+    def counting(name: str) -> Callable[[Callable], Callable]:
+        def wrap(real: Callable) -> Callable:
+            def counted(*args, **kwargs):
+                if getattr(inside, "depth", 0):
+                    return real(*args, **kwargs)
+                calls.append(name)
+                inside.depth = 1
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    inside.depth = 0
+
+            return counted
+
+        return wrap
+
+    with replaced({name: counting(name) for name in LIBRARY_COLLECTIVES}):
+        yield calls
+
+
+def expect_on_device_of(got: Any, like: torch.Tensor, what: str) -> None:
+    """Raise :class:`Mismatch` unless the tensor ``got`` is on ``like``'s device: the real
+    devices on a GPU, the modelled ones under :func:`as_on_gpus` on the CPU."""
+    if not isinstance(got, torch.Tensor):
+        return
+    if got.device != like.device or (device_audit.where(like) == "device"
+                                      and device_audit.where(got) == "host"):
+        place = "the CPU" if got.device.type == "cpu" else str(got.device)
+        raise Mismatch(f"{what} is on {place}, while the input is on the rank's GPU: make it "
+                       "with device=x.device (or compute it from x), so that it stays there")
 
 
 def call_collective(fn: Callable, *args: Any) -> tuple[Any, list[tuple[int, int]] | None]:
