@@ -21,8 +21,12 @@ from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.harness.exercises.core import (
     Mismatch,
     any_rank,
+    as_on_gpus,
     call_learner,
+    call_learner_in_place,
+    collectives_called,
     exercise,
+    learner_error,
     run_learner_on_ranks,
 )
 from dpcourse.harness.exercises.waits import BackwardWatch, is_blocking
@@ -82,18 +86,25 @@ def shard_bounds(fn: Callable) -> str:
 @exercise("ex-9-memory", function="my_zero_memory", timeout=10)
 def zero_memory(fn: Callable) -> str:
     """``fn(num_params, world_size, stage, k=12)``: bytes per rank of the model states under
-    ZeRO, mixed-precision Adam (the paper's formulas); up to one byte of rounding allowed."""
+    ZeRO, mixed-precision Adam (the paper's formulas); up to one byte of rounding allowed. ``k``
+    is left at its default (12) and set to 4 and 16 (optimizers with less or more state)."""
 
-    cases = [(7_500_000_000, n) for n in (1, 4, 16, 64, 1024)] + [(1000, 4), (999, 3)]
-    for psi, n in cases:
+    cases = [(7_500_000_000, n, None) for n in (1, 4, 16, 64, 1024)] + [(1000, 4, None),
+                                                                       (999, 3, None)]
+    cases += [(1_000_000_000, 8, 4), (7_500_000_000, 64, 16)]
+    for psi, n, k in cases:
         for stage in range(4):
-            want = zero_memory_per_rank(psi, n, stage)
-            got = call_learner(fn, psi, n, stage)
+            want = zero_memory_per_rank(psi, n, stage, k=12 if k is None else k)
+            got = (call_learner(fn, psi, n, stage) if k is None
+                   else call_learner(fn, psi, n, stage, k=k))
             if isinstance(got, (int, float)) and abs(got - want) <= 1:
                 continue
             hint = ""
             if isinstance(got, (int, float)):
-                if abs(got - (want - 2 * psi)) <= 1:
+                if k is not None and abs(got - zero_memory_per_rank(psi, n, stage)) <= 1:
+                    hint = (f" That is the answer for K = 12: use the k you are given (here "
+                            f"{k}), the optimizer state's bytes per parameter.")
+                elif abs(got - (want - 2 * psi)) <= 1:
                     hint = " It is 2Ψ short: the fp16 parameters (2Ψ) stay on every rank."
                 elif stage == 2 and abs(got - zero_memory_per_rank(psi, n, 1)) <= 1:
                     hint = " That is stage 1: stage 2 shards the gradients (2Ψ) too."
@@ -105,23 +116,29 @@ def zero_memory(fn: Callable) -> str:
                         "fp32 moments (8)."
                     )
             shown = f"{got:,}" if isinstance(got, (int, float)) else repr(got)
+            kk = "" if k is None else f", k = {k}"
             raise Mismatch(
-                f"Ψ = {psi:,}, N = {n}, stage {stage}: expected {want:,} bytes, got {shown}.{hint}"
+                f"Ψ = {psi:,}, N = {n}, stage {stage}{kk}: expected {want:,} bytes, got "
+                f"{shown}.{hint}"
             )
-    return "the ZeRO paper's bytes per rank for stages 0-3, Ψ = 7.5 B on 1 to 1024 ranks"
+    return ("the ZeRO paper's bytes per rank for stages 0-3, Ψ = 7.5 B on 1 to 1024 ranks, "
+            "with K = 12 and other K")
 
 
-def _sharded_step_on_rank(fn: Callable, lengths: list[int], lr: float) -> list[str]:
+def _sharded_step_on_rank(fn: Callable, lengths: list[tuple[int, torch.dtype]],
+                          lr: float) -> list[str]:
     """Runs on every rank: the learner's reduce-scatter/step/all-gather against SGD on the
-    all-reduced mean gradient."""
+    all-reduced mean gradient, for flat tensors of ``n`` elements in ``dtype``. The tensors are
+    modelled on a GPU with NCCL (:func:`as_on_gpus`); the gradient must come back untouched and
+    no all-reduce may be called."""
 
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    for n in lengths:
+    for n, dtype in lengths:
         dev = runtime.device()  # NCCL (a GPU per rank) takes no CPU tensors
-        params = torch.arange(n, dtype=torch.float32, device=dev) / 7.0  # same on every rank
+        params = (torch.arange(n, device=dev) / 7.0).to(dtype)  # the same on every rank
         g = torch.Generator().manual_seed(1000 * n + rank)
-        grad = torch.randint(-9, 10, (n,), generator=g).float().to(dev)  # each rank its own
+        grad = torch.randint(-9, 10, (n,), generator=g).to(dtype).to(dev)  # each rank its own
         mean = grad.clone()
         dist.all_reduce(mean)
         mean /= world
@@ -134,16 +151,39 @@ def _sharded_step_on_rank(fn: Callable, lengths: list[int], lr: float) -> list[s
             with torch.no_grad():
                 shard.sub_(lr * shard_grad)
 
-        got = params.clone()
-        fn(got, grad.clone(), step_fn)  # an exception here is reported with the rank
-        problem = _sharded_problem(calls, got, want, mean, start, end, world, n, rank)
+        got, given = params.clone(), grad.clone()
+        where = f"{world} ranks, {n} elements" + (
+            f" in {str(dtype).removeprefix('torch.')}" if dtype != torch.float32 else "")
+        try:
+            with collectives_called() as called, as_on_gpus(device=[got, given], nccl=True):
+                call_learner_in_place(fn, got, given, step_fn)
+            problem = None
+        except Mismatch as exc:
+            problem = f"{where}, rank {rank}: {exc}"
+        if problem is None and got.dtype != dtype:
+            problem = f"{where}, rank {rank}: flat_params became {got.dtype}: keep its dtype"
+        problem = problem or _sharded_problem(calls, got, want, mean, start, end, world, n, rank,
+                                              where)
+        all_reduces = [c for c in called if c.endswith("all_reduce")]
+        if problem is None and all_reduces:
+            shown = all_reduces[0] if "." in all_reduces[0] else f"dist.{all_reduces[0]}"
+            problem = (f"{where}, rank {rank}: you called {shown}: each rank then "
+                       "receives the whole averaged gradient and keeps a slice, twice the bytes "
+                       "of a reduce-scatter, which delivers only that slice. Use "
+                       "ring_reduce_scatter(flat_grad, op='mean')")
+        if problem is None and not torch.equal(given, grad):
+            problem = (f"{where}, rank {rank}: your function changed flat_grad. It is the "
+                       "caller's gradient: reduce-scatter from it into a new tensor "
+                       "(ring_reduce_scatter returns one)")
         if any_rank(problem is not None):
             return [problem] if problem else []
     return []
 
 
-def _sharded_problem(calls, got, want, mean, start, end, world, n, rank) -> str | None:
-    where = f"{world} ranks, {n} elements, rank {rank}"
+def _sharded_problem(calls, got, want, mean, start, end, world, n, rank,
+                     what: str) -> str | None:
+    where = f"{what}, rank {rank}"
+    tight = dict(atol=1e-6) if mean.dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-2)
     if len(calls) != 1:
         return f"{where}: step_fn was called {len(calls)} times; call it once, on your shard"
     numel, shard_grad = calls[0]
@@ -154,18 +194,22 @@ def _sharded_problem(calls, got, want, mean, start, end, world, n, rank) -> str 
             else f" The rank owns elements [{start}, {end}) (the ring's chunk {rank})."
         )
         return f"{where}: step_fn got {numel} elements, expected the shard of {end - start}.{extra}"
+    if shard_grad.dtype != mean.dtype:
+        return (f"{where}: the gradient given to step_fn is {shard_grad.dtype}, the parameters "
+                f"{mean.dtype}: keep the gradient's dtype")
     if shard_grad.shape != mean[start:end].shape or not torch.allclose(
-        shard_grad, mean[start:end], atol=1e-6
+        shard_grad, mean[start:end], **tight
     ):
         hint = ""
-        if torch.allclose(shard_grad, mean[start:end] * world, atol=1e-5):
+        if shard_grad.shape == mean[start:end].shape and torch.allclose(
+                shard_grad, mean[start:end] * world, **tight):
             hint = " It is the sum over ranks: divide by the world size (average, as DDP does)."
         return (
             f"{where}: the gradient given to step_fn is not the mean over ranks of the shard.{hint}"
         )
-    if torch.allclose(got, want, atol=1e-6):
+    if torch.allclose(got, want, **tight):
         return None
-    inside = torch.allclose(got[start:end], want[start:end], atol=1e-6)
+    inside = torch.allclose(got[start:end], want[start:end], **tight)
     if inside:
         return (
             f"{where}: the shard is right, but the parameters outside [{start}, {end}) were not "
@@ -178,8 +222,12 @@ def _sharded_problem(calls, got, want, mean, start, end, world, n, rank) -> str 
 def sharded_step(fn: Callable) -> str:
     """``fn(flat_params, flat_grad, step_fn)`` on every rank: reduce-scatter (mean) the flat
     gradient, call ``step_fn(shard, shard_grad)`` once on this rank's slice, all-gather the
-    updated slices into ``flat_params`` (in place). Checked on 2, 3 and 4 ranks."""
-    cases = {4: [12, 10, 3, 1001], 3: [9, 71], 2: [7]}
+    updated slices into ``flat_params`` (in place), leaving ``flat_grad`` as it was and calling
+    no all-reduce. Checked on 2, 3 and 4 ranks, in float32, float64 and bfloat16, the tensors
+    modelled on a GPU with NCCL (:func:`as_on_gpus`)."""
+    f32 = torch.float32
+    cases = {4: [(12, f32), (10, f32), (3, f32), (1001, f32)],
+             3: [(9, f32), (71, torch.float64)], 2: [(7, f32), (10, torch.bfloat16)]}
     for world, lengths in cases.items():
         results = run_learner_on_ranks(
             _sharded_step_on_rank, world, fn, lengths, 0.1, timeout=RANK_TIMEOUT
@@ -187,7 +235,8 @@ def sharded_step(fn: Callable) -> str:
         problems = [p for r in results for p in r]
         if problems:
             raise Mismatch(problems[0])
-    return "reduce-scatter, a step on the shard and all-gather equal SGD on 2, 3 and 4 ranks"
+    return ("reduce-scatter, a step on the shard and all-gather equal SGD on 2, 3 and 4 ranks, "
+            "in float32, float64 and bfloat16, the gradient left untouched")
 
 
 # ------------------------------------------------------------ ZeRO-2: reduce-scatter in backward
@@ -262,7 +311,7 @@ def _zero2_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 1))
 
 
-def _zero2_on_rank(fn: Callable) -> list[str]:
+def _zero2_on_rank(fn: Callable, dtype: torch.dtype) -> list[str]:
     """Runs on every rank: the learner's hooks on a model of awkward sizes, one backward, and
     the shards ``finish()`` returns against the averaged gradients of a reference."""
 
@@ -270,10 +319,10 @@ def _zero2_on_rank(fn: Callable) -> list[str]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = runtime.device()
-    model = _zero2_model().to(device)
+    model = _zero2_model().to(device, dtype)
     g = torch.Generator().manual_seed(100 + rank)  # every rank its own samples
-    x = torch.randn(8, 5, generator=g).to(device)
-    y = torch.randn(8, 1, generator=g).to(device)
+    x = torch.randn(8, 5, generator=g).to(device, dtype)
+    y = torch.randn(8, 1, generator=g).to(device, dtype)
     loss_fn = nn.MSELoss()
 
     reference = copy.deepcopy(model)  # the gradients every rank should average
@@ -284,25 +333,37 @@ def _zero2_on_rank(fn: Callable) -> list[str]:
 
     params = list(model.parameters())
     log = _BackwardLog(params)
-    with log.watching():
-        finish = fn(params)
-        if not callable(finish):
-            raise Mismatch(f"my_zero2_hooks should return a function finish(), got {finish!r}")
-        loss = loss_fn(model(x), y)
-        log.in_backward = True
-        log.watch.begin(loss)
-        try:
-            loss.backward()
-        finally:
-            log.in_backward = False
-            log.watch.end()
-        shards = finish()
-    problem = _zero2_problem(log, params, shards, summed, rank, world, flat_shards.shard_bounds)
+    where = f"{world} ranks" + (f", a {str(dtype).removeprefix('torch.')} model"
+                                if dtype != torch.float32 else "")
+    try:
+        with log.watching(), as_on_gpus(device=[model], nccl=True):
+            finish = call_learner_in_place(fn, params)
+            if not callable(finish):
+                raise Mismatch(f"my_zero2_hooks should return a function finish(), got "
+                               f"{finish!r}")
+            loss = loss_fn(model(x), y)
+            log.in_backward = True
+            log.watch.begin(loss)
+            try:
+                loss.backward()
+            except (Mismatch, NotImplementedError):
+                raise
+            except Exception as exc:  # raised in the learner's hook
+                raise learner_error(fn, exc) from exc
+            finally:
+                log.in_backward = False
+                log.watch.end()
+            shards = call_learner(finish)
+    except Mismatch as exc:
+        return [f"{where}, rank {rank}: {exc}"]
+    problem = _zero2_problem(log, params, shards, summed, rank, world, flat_shards.shard_bounds,
+                             where)
     return [problem] if problem else []
 
 
-def _zero2_problem(log, params, shards, summed, rank, world, shard_bounds) -> str | None:
-    where = f"{world} ranks, rank {rank}"
+def _zero2_problem(log, params, shards, summed, rank, world, shard_bounds,
+                   what: str) -> str | None:
+    where = f"{what}, rank {rank}"
     others = sorted({name for name, is_rs, _, _ in log.calls if not is_rs})
     if others:
         return (f"{where}: you called {', '.join(others)}. Each rank needs only its shard of the "
@@ -387,14 +448,16 @@ def zero2_hooks(fn: Callable) -> str:
     the full gradient; it returns ``finish()``, which waits and returns the shards. Checked on 2
     and 3 ranks; rejects an all-reduce, reduce-scatters after backward, a wait for one before
     backward is over (``wait()`` in a hook, a call without ``async_op=True``, chapter 6's
-    synchronous ring), a sum and a kept ``p.grad``."""
-    for world in (2, 3):
-        results = run_learner_on_ranks(_zero2_on_rank, world, fn, timeout=RANK_TIMEOUT)
+    synchronous ring), a sum and a kept ``p.grad``. On 3 ranks the model is float64, and the
+    model is modelled on a GPU with NCCL (:func:`as_on_gpus`): an output buffer made on the CPU
+    fails as there."""
+    for world, dtype in ((2, torch.float32), (3, torch.float64)):
+        results = run_learner_on_ranks(_zero2_on_rank, world, fn, dtype, timeout=RANK_TIMEOUT)
         problems = [p for r in results for p in r]
         if problems:
             raise Mismatch(problems[0])
     return ("each gradient reduce-scattered during backward and waited for after it, the full "
-            "gradient freed, and the averaged shards right on 2 and 3 ranks")
+            "gradient freed, and the averaged shards right on 2 ranks (float32) and 3 (float64)")
 
 
 # --------------------------------------------------------------------------- FSDP (stage 3)

@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import dpcourse.collectives as ours
 from dpcourse import runtime
 from dpcourse.harness import device_audit
-from dpcourse.harness.device_audit.tags import Audit
+from dpcourse.harness.device_audit.tags import Audit, tensors_in_args
 from dpcourse.harness.exercises import exercise_numbers, numbering
 from dpcourse.harness.launch import RankError, RankTimeoutError, run_ranks
 from dpcourse.harness.patching import (
@@ -54,6 +55,7 @@ __all__ = [
     "call_learner",
     "call_learner_untouched",
     "call_learner_in_place",
+    "learner_error",
     "about",
     "expect_type",
     "shares_memory",
@@ -275,18 +277,25 @@ def _call(fn: Callable, args: tuple, kwargs: dict, clone: bool) -> Any:
     except (Mismatch, CheckTimeout):
         raise
     except Exception as exc:
-        inputs = ", ".join(_describe(a) for a in args)
-        where = _learner_frame(fn, exc)
-        if isinstance(exc, device_audit.DeviceAuditError):  # raised under as_on_gpus
-            what = str(exc).split(" (Found by the device audit")[0]
-            raise Mismatch(
-                f"on a machine with GPUs (which this check models on the CPU) your function "
-                f"fails at line {where.lineno} ({where.line!s}): {what}"
-            ) from exc
-        raise Mismatch(
-            f"your function raised {type(exc).__name__}: {exc} (line {where.lineno}: "
-            f"{where.line!s})" + (f" when called with ({inputs})" if args else "")
-        ) from exc
+        raise learner_error(fn, exc, args) from exc
+
+
+def learner_error(fn: Callable, exc: Exception, args: tuple = ()) -> Mismatch:
+    """The :class:`Mismatch` that says the learner's ``fn`` raised ``exc`` (when called with
+    ``args``), at their own line: for an exception that reaches the check some other way than
+    through :func:`call_learner` (out of ``backward()``, from a hook of theirs)."""
+    inputs = ", ".join(_describe(a) for a in args)
+    where = _learner_frame(fn, exc)
+    if isinstance(exc, device_audit.DeviceAuditError):  # raised under as_on_gpus
+        what = str(exc).split(" (Found by the device audit")[0]
+        return Mismatch(
+            f"on a machine with GPUs (which this check models on the CPU) your function "
+            f"fails at line {where.lineno} ({where.line!s}): {what}"
+        )
+    return Mismatch(
+        f"your function raised {type(exc).__name__}: {exc} (line {where.lineno}: "
+        f"{where.line!s})" + (f" when called with ({inputs})" if args else "")
+    )
 
 
 def _learner_frame(fn: Callable, exc: BaseException) -> traceback.FrameSummary:
@@ -429,14 +438,17 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def as_on_gpus(host: Iterable[Any] = (), device: Iterable[Any] = ()) -> Iterator[bool]:
+def as_on_gpus(host: Iterable[Any] = (), device: Iterable[Any] = (),
+               nccl: bool = False) -> Iterator[bool]:
     """Run the learner's code, on this CPU, as on a machine with GPUs: the tensors and modules in
     ``device`` are tagged as living on a GPU and those in ``host`` on the CPU (the device audit's
     tags, :mod:`dpcourse.harness.device_audit`), and an operation that mixes them
     (``torch.empty(n)`` added to a GPU tensor, a CPU gradient given to a GPU parameter) raises
-    the error CUDA would, which :func:`call_learner` reports as the learner's. The audit cannot
-    tell two GPUs apart: only host against GPU is modelled. Where CUDA is in use the real devices
-    show such errors, and nothing is modelled. Yields whether the devices are modelled."""
+    the error CUDA would, which :func:`call_learner` reports as the learner's. With ``nccl``, on
+    a rank, torch.distributed's collectives and point-to-point calls refuse a tensor on the CPU,
+    as NCCL (a GPU per rank) does. The audit cannot tell two GPUs apart: only host against GPU
+    is modelled. Where CUDA is in use the real devices show such errors, and nothing is
+    modelled. Yields whether the devices are modelled."""
     if torch.cuda.is_available():
         yield False
         return
@@ -447,8 +459,36 @@ def as_on_gpus(host: Iterable[Any] = (), device: Iterable[Any] = ()) -> Iterator
         yield True
         return
     mode = Audit()
-    with mode, _hooks_under(mode):
+    guard = _nccl_refuses_host_tensors() if nccl else contextlib.nullcontext()
+    with mode, _hooks_under(mode), guard:
         yield True
+
+
+@contextlib.contextmanager
+def _nccl_refuses_host_tensors() -> Iterator[None]:
+    """torch.distributed's collectives and sends raise, as NCCL does, when given a tensor that
+    :func:`as_on_gpus` knows to be on the CPU (a buffer made without ``device=``)."""
+
+    def refusing(name: str) -> Callable[[Callable], Callable]:
+        def wrap(real: Callable) -> Callable:
+            def checked(*args, **kwargs):
+                hosts = [tuple(t.shape) for t in tensors_in_args(args, kwargs)
+                         if device_audit.where(t) == "host"]
+                if hosts:
+                    raise device_audit.DeviceAuditError(
+                        f"dist.{name} was given a tensor on the CPU (shape {hosts[0]}): NCCL, "
+                        "the backend of a GPU per rank, takes GPU tensors only (\"No backend "
+                        "type associated with device type cpu\"); make it with "
+                        "device=tensor.device")
+                return real(*args, **kwargs)
+
+            return checked
+
+        return wrap
+
+    names = (*LIBRARY_COLLECTIVES, "send", "recv", "isend", "irecv")
+    with replaced({name: refusing(name) for name in names}):
+        yield
 
 
 @contextlib.contextmanager
@@ -503,7 +543,7 @@ def run_learner_on_ranks(
             + exc.remote_traceback
         ) from None
     except RankError as exc:
-        if isinstance(exc.original, NotImplementedError):
+        if isinstance(exc.original, NotImplementedError | NotAttempted):
             raise NotAttempted(str(exc.original) or "the function is not written yet") from None
         if isinstance(exc.original, Mismatch):  # a comparison made on the rank itself
             raise Mismatch(f"on rank {exc.rank} of {world_size}: {exc.original}") from None
@@ -563,9 +603,11 @@ def learner_messages() -> Iterator[list[tuple[int, int]]]:
 
 @contextlib.contextmanager
 def collectives_called() -> Iterator[list[str]]:
-    """While a learner's code runs on a rank: the names of the torch.distributed collectives it
-    calls, in order, for a check of what the statement asks (one collective for SyncBatchNorm's
-    statistics; a reduce-scatter, not an all-reduce and a slice, for ZeRO)."""
+    """While a learner's code runs on a rank: the names of the collectives it calls, in order,
+    torch.distributed's (``"all_reduce"``) and the course's own (``"collectives.ring_all_reduce"``,
+    looked up in :mod:`dpcourse.collectives` when called), for a check of what the statement
+    asks (one collective for SyncBatchNorm's statistics; a reduce-scatter, not an all-reduce
+    and a slice, for ZeRO)."""
     calls: list[str] = []
     inside = threading.local()  # a collective that calls another by name: count the outer one
 
@@ -585,8 +627,21 @@ def collectives_called() -> Iterator[list[str]]:
 
         return wrap
 
-    with replaced({name: counting(name) for name in LIBRARY_COLLECTIVES}):
-        yield calls
+    saved = [(name, getattr(ours, name)) for name in COURSE_COLLECTIVES]
+    try:
+        for name, real in saved:
+            setattr(ours, name, counting(f"collectives.{name}")(real))
+        with replaced({name: counting(name) for name in LIBRARY_COLLECTIVES}):
+            yield calls
+    finally:
+        for name, real in saved:
+            setattr(ours, name, real)
+
+
+# The course's collectives (chapters 5 and 6) a learner may call by name
+COURSE_COLLECTIVES = ("linear_broadcast", "naive_all_reduce", "tree_broadcast", "tree_reduce",
+                      "tree_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+                      "ring_all_reduce", "ring_all_reduce_posted_ahead")
 
 
 def expect_on_device_of(got: Any, like: torch.Tensor, what: str) -> None:
