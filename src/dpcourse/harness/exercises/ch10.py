@@ -72,13 +72,19 @@ def step_time(fn: Callable) -> str:
     return f"equals compute + the exposed ring all-reduce in {len(STEP_CASES)} settings"
 
 
-# (target, compute_s, grad_bytes, alpha, beta, overlap) with answers from 1 to a few thousand
+# (target, compute_s, grad_bytes, alpha, beta, overlap) with answers from 1 to tens of
+# thousands, and the edges the statement names: the cap (a communication so cheap that every N
+# up to 100,000 reaches the target), N = 1 alone (a target of 1: any communication misses it)
+# and 0 (a target above 1, which not even one rank reaches)
 LARGEST_CASES = [
     (0.9, 0.65, 2.6e9, 5e-6, 50e9, 2 / 3),
     (0.9, 0.65, 2.6e9, 5e-6, 50e9, 0.0),
     (0.95, 0.05, 1e6, 10e-6, 12.5e9, 0.0),
     (0.8, 0.02, 1e7, 5e-6, 25e9, 2 / 3),
     (0.99, 0.1, 1e9, 5e-6, 50e9, 0.0),
+    (0.9, 1.0, 1e3, 1e-9, 1e12, 1.0),
+    (1.0, 0.1, 1e6, 5e-6, 50e9, 0.0),
+    (1.5, 0.1, 1e6, 5e-6, 50e9, 0.0),
 ]
 LIMIT = 100_000
 
@@ -102,7 +108,13 @@ def largest_efficient_world_size(fn: Callable) -> str:
             continue
         target = case[0]
         hint = ""
-        if isinstance(got, (int, float)) and got >= 1 and int(got) == got:
+        if want == LIMIT and got == LIMIT - 1:
+            hint = (f" Every N up to {LIMIT:,} reaches the target here, so the answer is the cap "
+                    f"itself: does your search stop one short of {LIMIT:,}?")
+        elif want == 0:
+            hint = (" Not even N = 1 reaches a target above 1 (one rank's efficiency is 1): the "
+                    "statement asks for 0 then")
+        elif isinstance(got, (int, float)) and got >= 1 and int(got) == got:
             e_got = at(int(got))
             if got == want + 1:
                 hint = (
@@ -119,9 +131,11 @@ def largest_efficient_world_size(fn: Callable) -> str:
         raise Mismatch(
             f"target {target}, compute {case[1]:g} s, {case[2]:.3g} gradient bytes, "
             f"alpha={case[3]:g} s, beta={case[4]:.3g} B/s, overlap={case[5]:.3g}: expected "
-            f"N={want} (efficiency {at(want):.4f}), got {got!r}.{hint}"
+            f"N={want}" + (f" (efficiency {at(want):.4f})" if want >= 1 else "")
+            + f", got {got!r}.{hint}"
         )
-    return f"the right N in {len(LARGEST_CASES)} settings, from 1 to tens of thousands of ranks"
+    return (f"the right N in {len(LARGEST_CASES)} settings, from 0 and 1 to the cap of "
+            f"{LIMIT:,} ranks")
 
 
 # (true |G|^2, true tr(Sigma), b_small, b_big): norms built as their expected values, so an
@@ -184,7 +198,8 @@ HIDE_CASES = [
 def tokens_to_hide(fn: Callable) -> str:
     """``fn(num_params, world_size, bytes_per_value, link_bytes_per_s, peak_flops, mfu,
     overlap)``: the fewest tokens per GPU per step whose compute hides a ring all-reduce of the
-    gradient (latency left out), against :func:`dpcourse.cost.scaling.tokens_to_hide`. Rejects the
+    gradient (latency left out), against :func:`dpcourse.cost.scaling.tokens_to_hide` (or that
+    number rounded up to whole tokens). Rejects the
     ring's 2(N-1)/N taken as 2, the whole compute taken as hiding it, and forward-only FLOPs."""
 
     for params, n, width, beta, flops, mfu, overlap in HIDE_CASES:
@@ -192,7 +207,7 @@ def tokens_to_hide(fn: Callable) -> str:
         comm = costmodel.all_reduce_time("ring", n, params * width, 0.0, beta)
         want = scaling.tokens_to_hide(comm, params, gpu, mfu, overlap)
         got = call_learner(fn, params, n, width, beta, flops, mfu, overlap)
-        if _close(got, want, 1e-6):
+        if _close(got, want, 1e-6) or got == math.ceil(want):  # whole tokens: rounded up
             continue
         where = (f"{params:.3g} parameters, {width} bytes each, {n} GPUs, {beta:.3g} B/s, "
                  f"{flops:.3g} FLOP/s at MFU {mfu}, overlap {overlap:.3g}: expected "
