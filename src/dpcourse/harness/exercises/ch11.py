@@ -204,6 +204,8 @@ NODE_CASES = [
     ("fsdp", 13e9, 32, 8, 2),
     ("hsdp", 70e9, 16, 8, 4),
     ("fsdp", 1e9, 4, 1, 2),
+    ("ddp", 1e6, 1, 4, 4),  # one node: nothing crosses
+    ("hsdp", 1e6, 1, 8, 2),
 ]
 
 
@@ -224,7 +226,9 @@ def node_bytes(fn: Callable) -> str:
                  f"{width} bytes a value: expected {want:,.0f} bytes across per node, got "
                  f"{got!r}.")
         hint = ""
-        if strategy == "hsdp" and k > 1 and _close(got, want * k):
+        if nodes == 1:
+            hint = " With one node there are no other nodes: nothing crosses, 0 bytes."
+        elif strategy == "hsdp" and k > 1 and _close(got, want * k):
             hint = (" After the reduce-scatter inside the node, a rank all-reduces across nodes "
                     "only its 1/k of the gradients (the rows it owns), not the whole model.")
         elif strategy == "fsdp" and _close(
@@ -236,4 +240,4 @@ def node_bytes(fn: Callable) -> str:
             hint = (" In a ring over every rank numbered node by node, only the node's last "
                     "rank sends to another node; the other k-1 send to their neighbours inside.")
         raise Mismatch(where + hint)
-    return "the bytes each strategy sends between nodes, every case"
+    return "the bytes each strategy sends between nodes, every case, one node included"
