@@ -68,19 +68,27 @@ def _mixing_inputs(seed: int, batch: int, src_len: int, tgt_len: int, d_model: i
 @exercise("ex-bugs-batch-first", function="my_make_transformer", timeout=30)
 def make_transformer(fn: Callable) -> str:
     """``fn(d_model, nhead, layers, ff)`` returns the seed's ``nn.Transformer`` fixed for
-    ``(batch, seq, d_model)`` tensors."""
-    d_model, nhead, layers, ff = 16, 2, 1, 32
-    model = call_learner(fn, d_model, nhead, layers, ff)
-    if not isinstance(model, nn.Module):
-        raise Mismatch(f"expected an nn.Module, got {type(model).__name__}")
-    want = bug_hunt.make_transformer(d_model, nhead, layers, ff)
-    counts = [sum(p.numel() for p in m.parameters()) for m in (model, want)]
-    if counts[0] != counts[1]:
-        raise Mismatch(
-            f"expected nn.Transformer(d_model={d_model}, nhead={nhead}, {layers} encoder and "
-            f"{layers} decoder layer(s), dim_feedforward={ff}): {counts[1]} parameters, got "
-            f"{counts[0]}"
-        )
+    ``(batch, seq, d_model)`` tensors: the sizes it is given (two settings: parameters counted,
+    attention heads read), no dropout (two forwards in training mode agree), and examples kept
+    apart."""
+    for d_model, nhead, layers, ff in ((16, 2, 1, 32), (24, 3, 2, 40)):
+        model = call_learner(fn, d_model, nhead, layers, ff)
+        if not isinstance(model, nn.Module):
+            raise Mismatch(f"expected an nn.Module, got {type(model).__name__}")
+        want = bug_hunt.make_transformer(d_model, nhead, layers, ff)
+        counts = [sum(p.numel() for p in m.parameters()) for m in (model, want)]
+        if counts[0] != counts[1]:
+            raise Mismatch(
+                f"expected nn.Transformer(d_model={d_model}, nhead={nhead}, {layers} encoder and "
+                f"{layers} decoder layer(s), dim_feedforward={ff}): {counts[1]} parameters, got "
+                f"{counts[0]}"
+            )
+        heads = sorted({m.num_heads for m in model.modules()
+                        if isinstance(m, nn.MultiheadAttention)})
+        if heads != [nhead]:
+            raise Mismatch(f"nhead={nhead}: your Transformer's attention has {heads} head(s); "
+                           "pass nhead on")
+        _expect_no_dropout(model, d_model)
     model.eval()
     # batch = source = target length: the case where the seed's model runs without an error
     src, tgt = _mixing_inputs(0, 6, 6, 6, d_model)
@@ -110,6 +118,25 @@ def make_transformer(fn: Callable) -> str:
     expect_equal(tuple(out.shape), (3, 5, d_model), "the output's shape for 3 examples, 7 source "
                  "and 5 target positions")  # fmt: skip
     return "keeps the examples of a batch apart, for sources and targets of any lengths"
+
+
+def _expect_no_dropout(model: nn.Module, d_model: int) -> None:
+    """Two forwards of one batch in training mode must agree: the seed's model has no dropout
+    (so that 2 ranks and one process can give the same weights)."""
+    src, tgt = _mixing_inputs(3, 3, 3, 3, d_model)  # runs whichever dimension is the batch
+    mask = nn.Transformer.generate_square_subsequent_mask(3)
+    model.train()
+    torch.manual_seed(0)
+    try:
+        with torch.no_grad():
+            first = model(src, tgt, tgt_mask=mask)
+            second = model(src, tgt, tgt_mask=mask)
+    except RuntimeError as exc:
+        raise Mismatch(f"your Transformer raised on 3 examples of 3 positions: {exc}") from None
+    if not torch.equal(first, second):
+        raise Mismatch("in training mode two forwards of the same batch differ: your Transformer "
+                       "drops out (nn.Transformer's default is dropout=0.1). The seed's has no "
+                       "dropout: pass dropout=0.0")
 
 
 def _pairs_for_collate():
@@ -167,11 +194,11 @@ def _step_setup():
     return model, optimizer, scheduler, scaler, batches
 
 
-def _run_steps(step: Callable, max_norm: float = 0.5):
+def _run_steps(step: Callable, max_norm: float = 0.5, dtype: torch.dtype = torch.bfloat16):
     model, optimizer, scheduler, scaler, batches = _step_setup()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        losses = [step(model, b, optimizer, scheduler, scaler, max_norm, torch.bfloat16)
+        losses = [step(model, b, optimizer, scheduler, scaler, max_norm, dtype)
                   for b in batches]  # fmt: skip
     cuda_amp = [w for w in caught if "torch.cuda.amp" in str(w.message)]
     weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -182,7 +209,8 @@ def _run_steps(step: Callable, max_norm: float = 0.5):
 def train_step(fn: Callable) -> str:
     """``fn(model, batch, optimizer, scheduler, scaler, max_norm, dtype)``: one step of the
     seed, fixed, on a :class:`dpcourse.debugging.bug_hunt.Seq2Seq` and :func:`pad_collate`'s
-    batches."""
+    batches, two steps with ``dtype`` bfloat16 and two with float16 (the dtype given is the one
+    to autocast to, on the batch's device)."""
     want_losses, want_w, want_lr, _ = _run_steps(bug_hunt.fixed_step)
     losses, weights, lr, cuda_amp = _run_steps(lambda *a: call_learner(fn, *a))
     if cuda_amp:
@@ -206,12 +234,25 @@ def train_step(fn: Callable) -> str:
         "scaler.unscale_(optimizer) before clipping",
         "no_clip": "the gradients were not clipped to max_norm after unscaling",
     }
+    variants["no_autocast"] = (
+        "your forward did not run under autocast here: autocast on the batch's device, "
+        "torch.autocast(src.device.type, dtype=dtype), which is the CPU here and a GPU there (a "
+        "hard-coded 'cuda' autocasts nothing on a CPU)")
     for name, message in variants.items():
         _, w, _, _ = _run_steps(_variant(name))
         if torch.allclose(weights, w, rtol=1e-4, atol=1e-6):
             raise Mismatch(message)
     expect_close(weights, want_w, "the weights after two steps", rtol=1e-4, atol=1e-6)
-    return "torch.amp, the loss over real tokens, unscale before clipping, one scheduler step"
+    _, want_w16, _, _ = _run_steps(bug_hunt.fixed_step, dtype=torch.float16)
+    _, w16, _, _ = _run_steps(lambda *a: call_learner(fn, *a), dtype=torch.float16)
+    if not torch.allclose(w16, want_w16, rtol=1e-4, atol=1e-6):
+        if torch.allclose(w16, want_w, rtol=1e-4, atol=1e-6):
+            raise Mismatch("with dtype=torch.float16 your step gives the bfloat16 step's weights: "
+                           "autocast to the dtype you are given, torch.autocast(..., dtype=dtype)")
+        expect_close(w16, want_w16, "with dtype=torch.float16, the weights after two steps",
+                     rtol=1e-4, atol=1e-6)
+    return ("torch.amp on the batch's device and in the dtype given (bfloat16 and float16), the "
+            "loss over real tokens, unscale before clipping, one scheduler step")
 
 
 def _loss_problem(got: float, want: float) -> str:
@@ -239,12 +280,14 @@ def _variant(name: str) -> Callable:
     def step(model, batch, optimizer, scheduler, scaler, max_norm, dtype):
         src, tgt_in, tgt_out, src_pad = batch
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(src.device.type, dtype=dtype):
+        with torch.autocast(src.device.type, dtype=dtype, enabled=name != "no_autocast"):
             loss = bug_hunt.token_loss(model(src, tgt_in, src_pad), tgt_out)
         scaler.scale(loss).backward()
         if name == "clip_scaled":
             nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.unscale_(optimizer)
+        if name == "no_autocast":
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()
