@@ -256,3 +256,221 @@ def test_average_parameters():
     expect_fail("ex-4-params", summed, "is the sum of the replicas' values", "divide by 2")
     expect_fail("ex-4-params", only_first, "replica 1's fc1.weight did not change")
     expect_fail("ex-4-params", gradients_instead, "did not change")
+
+
+# ------------------------------------------------ the wrong answers students write (issue 43)
+# Each of issue 43's kinds: an input the check never varied (dtypes, shapes, edge sizes), a
+# property it never observed (inputs changed, replicas sharing a tensor, copies for views), a
+# device it never varied (made visible on the CPU: the meta device, or the device audit's tags
+# through core.as_on_gpus), and an answer that made the check itself fail.
+def combine_in_place(grads, sizes):
+    """Kind 2: accumulates into the first shard's gradient, which is the caller's."""
+    total = sum(sizes)
+    out = grads[0].mul_(sizes[0] / total)
+    for size, g in zip(sizes[1:], grads[1:], strict=True):
+        out.add_(g, alpha=size / total)
+    return out
+
+
+def combine_in_float32(grads, sizes):
+    """Kind 1 (dtype) and kind 4: float32 weights; the check used to raise 'Float did not match
+    Double' from inside itself."""
+    weights = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
+    return sum(w * g.float() for w, g in zip(weights, grads, strict=True))
+
+
+def combine_stacked(grads, sizes):
+    """Kind 1 (dtype): a float32 weight tensor broadcast against the stacked gradients: float64
+    gradients come back float64, but weighed with rounded weights."""
+    weights = torch.tensor(sizes, dtype=torch.float32) / sum(sizes)
+    stacked = torch.stack(grads)
+    return (stacked * weights.view(-1, *[1] * grads[0].dim())).sum(0)
+
+
+def combine_flat(grads, sizes):
+    """Kind 1 (shape): flattens the gradients and forgets to give them their shape back."""
+    total = sum(sizes)
+    return sum(size / total * g.reshape(-1) for size, g in zip(sizes, grads, strict=True))
+
+
+def test_combine_rejects_what_students_write():
+    expect_fail("ex-2-combine", combine_in_place, "changed its argument shard_grads[0]")
+    expect_fail("ex-2-combine", combine_in_float32, "your result is torch.float32",
+                "the gradients are torch.float64")
+    expect_fail("ex-2-combine", combine_stacked, "float64", "values differ")
+    expect_fail("ex-2-combine", combine_flat, "expected shape (32, 5), got shape (160,)")
+
+
+def first_input_only(replicas, inputs):
+    """Kind 1: every replica in a thread, but given inputs[i][0], as if a forward took one
+    tensor."""
+    results, grad = [None] * len(replicas), torch.is_grad_enabled()
+
+    def work(i):
+        with torch.set_grad_enabled(grad):
+            results[i] = replicas[i](inputs[i][0])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(replicas))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_parallel_apply_passes_every_input(monkeypatch):
+    monkeypatch.setattr(ch02, "BARRIER_TIMEOUT", 1.0)
+    expect_fail("ex-2-threads", first_input_only, "forward takes two tensors",
+                "call replicas[i](*inputs[i])")
+
+
+def chunks_copied(batch, n):
+    """Kind 2: the right chunks, copied instead of views of the batch."""
+    if len(batch) < n or len(batch) == 0:
+        raise ValueError("use at least n samples")
+    per = -(-len(batch) // n)
+    return [batch[start:start + per].clone() for start in range(0, len(batch), per)]
+
+
+def chunks_of_numbers(batch, n):
+    """Kind 1 (shape): right for a batch of numbers; a batch of rows comes out flattened."""
+    if len(batch) < n or len(batch) == 0:
+        raise ValueError("use at least n samples")
+    flat, per = batch.reshape(-1), -(-len(batch) // n)
+    width = flat.numel() // len(batch)
+    return [flat[start * width:(start + per) * width] for start in range(0, len(batch), per)]
+
+
+def test_chunk_rejects_what_students_write():
+    expect_fail("ex-3-chunk", chunks_copied, "chunk 0 is a copy", "views")
+    expect_fail("ex-3-chunk", chunks_of_numbers, "a batch of shape (10, 3) into 4")
+
+
+def replicas_left_in_place(model, devices):
+    """Kind 3: independent copies, but each left on the model's device."""
+    replicas = []
+    for _ in devices:
+        replica = copy.deepcopy(model)
+        for p in replica.parameters():
+            p.grad = None
+        replicas.append(replica)
+    return replicas
+
+
+def test_create_replicas_puts_each_on_its_device():
+    expect_fail("ex-3-replicas", replicas_left_in_place, "devices [cpu, meta]",
+                "replica 1 is on cpu, expected meta")
+
+
+def _step_with(mistake):
+    """A manual data-parallel step with one of the mistakes below."""
+
+    def step(master, replicas, batch, loss_fn, optimizer):
+        x, y = batch
+        replication.broadcast_parameters(master, replicas)
+        for r in replicas:
+            r.zero_grad(set_to_none=True)
+        devices = [replication.module_device(r) for r in replicas]
+        chunks = scatter_gather.scatter(x, devices)
+        out = scatter_gather.gather(scatter_gather.parallel_apply(replicas, chunks), devices[0])
+        loss = loss_fn(out, y.to(devices[0]))
+        loss.backward()
+        used = replicas if mistake == "every replica" else replicas[: len(chunks)]
+        for p, *copies in zip(master.parameters(), *(r.parameters() for r in used), strict=True):
+            if mistake == "on the replica's device":  # kind 3: never moved to the master's
+                p.grad = sum(c.grad for c in copies)
+            else:
+                p.grad = sum(c.grad.to(p.device) for c in copies)
+        optimizer.step()
+        return loss if mistake == "a tensor" else loss.item()
+
+    return step
+
+
+def test_data_parallel_step_rejects_what_students_write():
+    expect_fail("ex-3-step", _step_with("on the replica's device"), "the replicas on a GPU",
+                "on a machine with GPUs", "p.grad = sum(c.grad for c in copies)")
+    # kind 1, an edge size: 6 samples on 4 replicas make 3 chunks, and replica 3 has no gradient
+    expect_fail("ex-3-step", _step_with("every replica"), "4 replica(s), step 1",
+                "so a replica gets none", "raised")
+    expect_fail("ex-3-step", _step_with("a tensor"), "you returned a tensor", "loss.item()")
+
+
+def grads_shared(replicas, sizes):
+    """Kind 2: every replica's .grad set to one tensor."""
+    total = sum(sizes)
+    for params in zip(*(r.parameters() for r in replicas), strict=True):
+        if not params[0].requires_grad:
+            continue
+        mean = sum(s / total * p.grad.to("cpu") for s, p in zip(sizes, params, strict=True))
+        for p in params:
+            p.grad = mean
+
+
+def grads_summed_on_the_devices(replicas, sizes):
+    """Kind 3: the weighted sum computed across the replicas' devices, not on the CPU."""
+    total = sum(sizes)
+    for params in zip(*(r.parameters() for r in replicas), strict=True):
+        if not params[0].requires_grad:
+            continue
+        mean = sum(s / total * p.grad for s, p in zip(sizes, params, strict=True))
+        for p in params:
+            p.grad.copy_(mean)
+
+
+def grads_left_on_the_cpu(replicas, sizes):
+    """Kind 3: the mean, computed on the CPU, given to every replica as it is."""
+    total = sum(sizes)
+    for params in zip(*(r.parameters() for r in replicas), strict=True):
+        if not params[0].requires_grad:
+            continue
+        mean = sum(s / total * p.grad.to("cpu") for s, p in zip(sizes, params, strict=True))
+        for p in params:
+            p.grad = mean.clone()
+
+
+def test_average_gradients_rejects_what_students_write():
+    expect_fail("ex-4-weighted", grads_shared, "replicas 0 and 1 share one tensor",
+                "p.grad.copy_(mean)")
+    expect_fail("ex-4-weighted", grads_summed_on_the_devices,
+                "replica 0 on the CPU and the others on a GPU", "on a machine with GPUs")
+    expect_fail("ex-4-weighted", grads_left_on_the_cpu,
+                "replica 0 on the CPU and the others on a GPU",
+                "a gradient on the host was assigned to a parameter on the device")
+
+
+def params_shared(replicas):
+    """Kind 2: every replica's parameter data set to one tensor."""
+    with torch.no_grad():
+        for params in zip(*(r.parameters() for r in replicas), strict=True):
+            mean = sum(p.detach().to("cpu") for p in params) / len(params)
+            for p in params:
+                p.data = mean
+
+
+def params_in_float32(replicas):
+    """Kind 1 (dtype): a float32 accumulator, and p.data replaced by it."""
+    with torch.no_grad():
+        for params in zip(*(r.parameters() for r in replicas), strict=True):
+            mean = torch.zeros(params[0].shape)
+            for p in params:
+                mean += p.to("cpu").float()
+            for p in params:
+                p.data = (mean / len(params)).to(p.device)
+
+
+def params_stacked(replicas):
+    """Kind 3: the replicas' parameters stacked together, wherever they are."""
+    with torch.no_grad():
+        for params in zip(*(r.parameters() for r in replicas), strict=True):
+            mean = torch.stack(list(params)).mean(0)
+            for p in params:
+                p.copy_(mean)
+
+
+def test_average_parameters_rejects_what_students_write():
+    expect_fail("ex-4-params", params_shared, "replicas 0 and 1 share one tensor",
+                "p.copy_(mean)")
+    expect_fail("ex-4-params", params_in_float32, "3 replicas in float64", "is now torch.float32")
+    expect_fail("ex-4-params", params_stacked, "replica 0 on the CPU and the others on a GPU",
+                "stack() got host tensor")
