@@ -203,3 +203,117 @@ def test_the_overlap_exercise_solution_runs_and_times_with_the_device_clock(caps
     exec(compile(code, "ex-5-overlap solution", "exec"), namespace)
     blocking, overlapped = (float(v) for v in capsys.readouterr().out.split())
     assert blocking > 0 and overlapped > 0
+
+
+# ------------------------------------------------ the wrong answers students write (issue 43)
+def expect_fail(label: str, fn, *phrases: str) -> None:
+    """``fn`` fails ``label``'s check with ``phrases`` in its message. Where CUDA is in use the
+    real devices reject a kind-3 answer with CUDA's own words, which the phrases do not cover."""
+    result = run_check(label, fn)
+    assert result.status == "failed", result.text()
+    if not torch.cuda.is_available():
+        for phrase in phrases:
+            assert phrase in result.message, f"{phrase!r} not in: {result.message}"
+
+
+def _tree(t, src, receive):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    v, step = (rank - src) % world, 1
+    while step < world:
+        if v < step and v + step < world:
+            dist.send(t, (v + step + src) % world)
+        elif step <= v < 2 * step:
+            receive(t, (v - step + src) % world)
+        step *= 2
+
+
+def tree_into_a_float_buffer(t, src):
+    """Kind 1 (dtype, shape): receives into a 1-D float32 buffer on the tensor's device."""
+
+    def receive(t, peer):
+        buf = torch.empty(t.numel(), device=t.device)
+        dist.recv(buf, peer)
+        t.copy_(buf.view_as(t))
+
+    _tree(t, src, receive)
+
+
+def tree_into_a_host_buffer(t, src):
+    """Kind 3: receives into a buffer made on the CPU, then adds it where the tensor is."""
+
+    def receive(t, peer):
+        buf = torch.zeros(t.shape, dtype=t.dtype)
+        dist.recv(buf, peer)
+        t.mul_(0).add_(buf)
+
+    _tree(t, src, receive)
+
+
+def test_tree_broadcast_rejects_what_students_write(short_timeouts):
+    expect_fail("ex-5-tree-broadcast", tree_into_a_float_buffer, "raised TypeError",
+                "dist.recv of a torch.float32 tensor", "torch.float64")
+    expect_fail("ex-5-tree-broadcast", tree_into_a_host_buffer, "on a machine with GPUs",
+                "add_() got host tensor")
+
+
+def _ring(t, slicing=False, buffer=None):
+    """A ring with chapter 6's schedule; ``slicing`` cuts the tensor along dim 0 instead of a
+    flat view; ``buffer(k, flat)`` makes the receive buffers."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = t if slicing else t.view(-1)
+    n = flat.shape[0]
+    bounds = [(len(c) and c[0].item(), len(c) and c[-1].item() + 1)
+              for c in torch.tensor_split(torch.arange(n), world)]
+    right, left = (rank + 1) % world, (rank - 1) % world
+    make = buffer or (lambda k, flat: flat.new_empty((k, *flat.shape[1:])))
+
+    def exchange(send, receive):
+        ops = [dist.P2POp(dist.irecv, receive, left)] if receive.numel() else []
+        ops += [dist.P2POp(dist.isend, send, right)] if send.numel() else []
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+
+    for step in range(world - 1):
+        s0, s1 = bounds[(rank - step - 1) % world]
+        r0, r1 = bounds[(rank - step - 2) % world]
+        incoming = make(r1 - r0, flat)
+        exchange(flat[s0:s1].clone(), incoming)
+        flat[r0:r1] += incoming
+    for step in range(world - 1):
+        s0, s1 = bounds[(rank - step) % world]
+        r0, r1 = bounds[(rank - step - 1) % world]
+        incoming = make(r1 - r0, flat)
+        exchange(flat[s0:s1].clone(), incoming)
+        flat[r0:r1] = incoming
+
+
+def ring_slicing_rows(t):
+    """Kind 1 (shape): chunks of the tensor's rows, right for a 1-D tensor only."""
+    _ring(t, slicing=True)
+
+
+def ring_float32_buffers(t):
+    """Kind 1 (dtype): receive buffers made with torch.empty(k, device=...), float32."""
+    _ring(t, buffer=lambda k, flat: torch.empty(k, device=flat.device))
+
+
+def ring_host_buffers(t):
+    """Kind 3: receive buffers of the right dtype made on the CPU."""
+    _ring(t, buffer=lambda k, flat: torch.empty(k, dtype=flat.dtype))
+
+
+def ring_on_a_flat_copy(t):
+    """Kind 2: reduces a flattened copy, written back only when the tensor is 1-D (where
+    reshape gives a view)."""
+    flat = t.reshape(-1).clone() if t.dim() > 1 else t
+    _ring(flat)
+
+
+def test_ring_rejects_what_students_write(short_timeouts):
+    expect_fail("ex-6-ring", ring_slicing_rows, "(2x7, bfloat16)", "send chunks of the tensor")
+    expect_fail("ex-6-ring", ring_float32_buffers, "irecv of a torch.float32 tensor",
+                "tensor of shape (5, 6), torch.float64")
+    expect_fail("ex-6-ring", ring_host_buffers, "on a machine with GPUs",
+                "got host tensor(s)")
+    expect_fail("ex-6-ring", ring_on_a_flat_copy, "(5x6, float64)",
+                "the tensor was not changed at all")

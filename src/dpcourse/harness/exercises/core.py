@@ -571,21 +571,42 @@ def _without_check_frames(text: str) -> str:
 
 
 @contextlib.contextmanager
-def learner_messages() -> Iterator[list[tuple[int, int]]]:
+def learner_messages(dtype: torch.dtype | None = None) -> Iterator[list[tuple[int, int]]]:
     """While a learner's collective runs on a rank: log every message of floating-point data it
     sends, as ``(peer, bytes)`` (``dist.send``, ``dist.isend`` and the sends of
     ``dist.batch_isend_irecv``), and make torch.distributed's own collectives raise
     ``AssertionError`` (the learner must build the collective from messages). Chapters 5 and 6's
-    checks use it to tell a tree from a relay and a ring from a gather."""
+    checks use it to tell a tree from a relay and a ring from a gather. With ``dtype`` (the
+    tensor's), a message of floating-point data in another dtype raises ``TypeError`` before it
+    is sent or received: gloo aborts the process on a message that does not fit its buffer."""
 
     log: list[tuple[int, int]] = []
     inside = threading.local()  # torch's send calls its isend: count the outer call only
+
+    def same_dtype(tensor: Any, what: str) -> None:
+        if (dtype is not None and isinstance(tensor, torch.Tensor)
+                and tensor.is_floating_point() and tensor.dtype != dtype):
+            raise TypeError(
+                f"dist.{what} of a {tensor.dtype} tensor, while the tensor being reduced is "
+                f"{dtype}: the other rank's message would not fit (gloo aborts the process). "
+                "Make buffers like the tensor: t.new_empty(n), torch.empty_like(t), or "
+                "dtype=t.dtype, device=t.device"
+            )
+
+    def receiving(real: Callable) -> Callable:
+        def receives(tensor, *args, **kwargs):
+            if not getattr(inside, "depth", 0):
+                same_dtype(tensor, getattr(real, "__name__", "recv"))
+            return real(tensor, *args, **kwargs)
+
+        return receives
 
     def counting(real: Callable) -> Callable:
         def sends(tensor, dst=None, *args, **kwargs):
             if getattr(inside, "depth", 0):
                 return real(tensor, dst, *args, **kwargs)
             peer = dst if dst is not None else kwargs.get("group_dst")
+            same_dtype(tensor, getattr(real, "__name__", "send"))
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
                 log.append((peer, tensor.numel() * tensor.element_size()))
             inside.depth = 1
@@ -597,7 +618,8 @@ def learner_messages() -> Iterator[list[tuple[int, int]]]:
         return sends
 
     # both names (_patching): P2POp accepts only c10d.isend, and batch_isend_irecv calls it
-    with replaced({"send": counting, "isend": counting}), library_collectives_forbidden():
+    wrappers = {"send": counting, "isend": counting, "recv": receiving, "irecv": receiving}
+    with replaced(wrappers), library_collectives_forbidden():
         yield log
 
 
@@ -660,8 +682,9 @@ def call_collective(fn: Callable, *args: Any) -> tuple[Any, list[tuple[int, int]
     """Run the learner's collective ``fn(*args)`` on this rank under :func:`learner_messages`:
     ``(what it returned, the messages it sent)``, or ``(None, None)`` if it called one of
     torch.distributed's own collectives (which the exercise is to build from messages)."""
+    dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
     try:
-        with learner_messages() as sent:
+        with learner_messages(dtype) as sent:
             returned = _call(fn, args, {}, clone=False)
     except AssertionError as exc:
         if "library collective" not in str(exc):
