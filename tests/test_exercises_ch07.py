@@ -449,3 +449,89 @@ def test_bucketed_ddp_check_names_a_rank_that_skipped_the_last_bucket():
     message = launches._verdict(rows)
     assert "rank 1 ended the step after 1 all-reduce(s), while rank 0 launched another" in message
     assert "`extra` got no gradient on rank 1" in message
+
+
+# ------------------------------------------------ the wrong answers students write (issue 43)
+def expect_fail(label: str, fn, *phrases: str) -> None:
+    """``fn`` fails with ``phrases`` in the message (where CUDA is in use, a kind-3 answer fails
+    with CUDA's own words, which the phrases do not cover)."""
+    result = run_check(label, fn)
+    assert result.status == "failed", result.text()
+    if not torch.cuda.is_available():
+        for phrase in phrases:
+            assert phrase in result.message, f"{phrase!r} not in: {result.message}"
+
+
+def buckets_reversing_the_sizes(sizes, cap):
+    """Kind 2: right buckets, but the caller's list of sizes is reversed in place."""
+    sizes.reverse()  # the last parameter first
+    out, current, size = [], [], 0
+    for j, s in enumerate(sizes):
+        current.append(len(sizes) - 1 - j)
+        size += s
+        if size >= cap:
+            out.append(current)
+            current, size = [], 0
+    return out + ([current] if current else [])
+
+
+def test_buckets_leave_the_sizes_alone():
+    expect_fail("ex-7-buckets", buckets_reversing_the_sizes, "changed its argument param_bytes")
+
+
+def launch_and_wait(param, pending):
+    """Kind 2: divides, launches asynchronously, appends the Work, and waits for it in the
+    hook: the right means, and nothing overlaps."""
+    param.grad.div_(dist.get_world_size())
+    work = dist.all_reduce(param.grad, async_op=True)
+    work.wait()
+    pending.append(work)
+
+
+def test_hook_rejects_a_wait_inside_backward(short_timeouts, pools):
+    expect_fail("ex-7-hook", launch_and_wait, "waited on inside backward (in launch_and_wait)",
+                "append its Work to `pending` and return")
+
+
+def sampler_padding_once(n, world, rank, epoch, seed):
+    """Kind 1, an edge size: pads with perm[:padding], too short when there are fewer samples
+    than ranks (1 sample on 4 ranks needs it 3 times)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    size = -(-n // world)
+    perm += perm[: size * world - n]
+    return perm[rank::world]
+
+
+def test_sampler_pads_with_fewer_samples_than_ranks():
+    expect_fail("ex-7-sampler", sampler_padding_once, "1 samples, 4 ranks",
+                "repeated more than once")
+
+
+def average_on_the_host(module):
+    """Kind 3: each gradient averaged in a copy on the CPU, given back as it is."""
+    world = dist.get_world_size()
+    for p in module.parameters():
+        if p.requires_grad:
+            grad = p.grad.detach().cpu() / world
+            dist.all_reduce(grad)
+            p.grad = grad
+
+
+def test_average_keeps_the_gradients_on_the_device(short_timeouts, pools):
+    expect_fail("ex-7-average", average_on_the_host, "on a machine with GPUs",
+                "a gradient on the host was assigned to a parameter on the device")
+
+
+class ZerosOnTheHost(MyBucketedDDP):
+    """Kind 3: a parameter without a gradient sends torch.zeros(p.shape), made on the CPU."""
+
+    def launch(self, k):
+        grads = [torch.zeros(p.shape) if p.grad is None else p.grad for p in self.buckets[k]]
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.world_size)
+        self.pending.append((k, flat, dist.all_reduce(flat, async_op=True)))
+        self.next_to_launch = k + 1
+
+
+def test_bucketed_ddp_makes_zeros_where_the_gradients_are(short_timeouts, pools):
+    expect_fail("ex-7-bucketed-ddp", answer(ZerosOnTheHost), "on a machine with GPUs",
+                "cat() got host tensor")

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dpcourse.ddp import ddp
 from dpcourse.harness.exercises import ch08, run_check
 from dpcourse.practice import checkpoint, lr_schedule, mixed_precision
 
@@ -191,3 +192,158 @@ def test_recovery_check_names_the_steps_done_twice(monkeypatch):
                 "steps 5 to 6 were done twice")
     assert "steps 5 to 6 were done again" in run_check(
         "ex-8-recovery", lambda: {"node": 1, "step": 4}).message
+
+
+# ------------------------------------------------ the wrong answers students write (issue 43)
+def _save(obj, path, order):
+    """An atomic save with one of two orders of its file operations wrong (kind 2)."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            if order == "rename, then fsync":
+                os.replace(tmp, path)
+                os.fsync(f.fileno())
+                return
+            os.fsync(f.fileno())
+        if order == "remove, then rename" and os.path.exists(path):
+            os.remove(path)
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_with_a_suffix(obj, path):
+    """Kind 1: right for a str path, but a pathlib.Path has no + ".tmp"."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_that_swallows_the_failure(obj, path):
+    """Kind 2: cleans up after a failed write, and returns as if it had saved."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.fspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception:
+        os.remove(tmp)
+
+
+def test_atomic_check_rejects_what_students_write():
+    expect_fail("ex-8-atomic", lambda o, p: _save(o, p, "rename, then fsync"),
+                "fsynced the temporary file after renaming it")
+    expect_fail("ex-8-atomic", lambda o, p: _save(o, p, "remove, then rename"),
+                "removed the old checkpoint before renaming")
+    expect_fail("ex-8-atomic", save_with_a_suffix, "saving to a pathlib.Path",
+                "unsupported operand")
+    expect_fail("ex-8-atomic", save_that_swallows_the_failure, "returned as if the checkpoint",
+                "re-raise")
+
+
+def amp_step_with(device_type=None, dtype=torch.float16, zero_grad=True):
+    def step(model, x, y, optimizer, scaler, max_norm):
+        with torch.autocast(device_type or x.device.type, dtype=dtype):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        ddp.all_reduce_gradients(model)
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+
+    return step
+
+
+@pytest.mark.filterwarnings("ignore:.*CUDA is not available.*")
+def test_amp_check_rejects_what_students_write(short_timeouts):
+    if not torch.cuda.is_available():  # kind 3: where the batch is not on a GPU, no autocast
+        expect_fail("ex-8-amp", amp_step_with(device_type="cuda"), "did not run in float16",
+                    "torch.autocast(x.device.type")
+    expect_fail("ex-8-amp", amp_step_with(dtype=torch.bfloat16), "ran in bfloat16")
+    expect_fail("ex-8-amp", amp_step_with(zero_grad=False), "zero them")
+
+
+def _stats(x, pack=True, dtype=None, keepdim=False):
+    """The reference's one all-reduce of the sums, the squares and the count, in ``dtype``."""
+    dtype = dtype or x.dtype
+    xs = x.to(dtype)
+    count = torch.tensor([float(len(x))], dtype=dtype, device=x.device)
+    packed = torch.cat([xs.sum(0), (xs * xs).sum(0), count])
+    if pack:
+        dist.all_reduce(packed)
+    else:  # three all-reduces, one per part
+        parts = list(packed.split([x.shape[1], x.shape[1], 1]))
+        for part in parts:
+            dist.all_reduce(part)
+        packed = torch.cat(parts)
+    c = x.shape[1]
+    mean = packed[:c] / packed[-1]
+    var = packed[c : 2 * c] / packed[-1] - mean**2
+    return (mean[None], var[None]) if keepdim else (mean, var)
+
+
+def stats_in_float32(x):
+    """Kind 4 (and 1): float32 statistics of a float64 batch; the check used to fail inside
+    its own comparison ('Float did not match Double')."""
+    return _stats(x, dtype=torch.float32)
+
+
+def stats_keeping_the_batch_dimension(x):
+    """Kind 1 (shape): statistics of shape (1, C)."""
+    return _stats(x, keepdim=True)
+
+
+def stats_centring_x(x):
+    """Kind 2: subtracts the mean from the batch in place to get the variance."""
+    count = torch.tensor([float(len(x))], dtype=x.dtype, device=x.device)
+    packed = torch.cat([x.sum(0), count])
+    dist.all_reduce(packed)
+    mean = packed[:-1] / packed[-1]
+    x.sub_(mean)
+    squares = (x * x).sum(0)
+    dist.all_reduce(squares)
+    return mean, squares / packed[-1]
+
+
+def stats_in_three_collectives(x):
+    """Kind 2: right, with three all-reduces where one carries everything."""
+    return _stats(x, pack=False)
+
+
+def stats_with_a_host_count(x):
+    """Kind 3: the count made on the CPU, the sums moved there to join it."""
+    count = torch.tensor([float(len(x))], dtype=x.dtype)
+    packed = torch.cat([x.sum(0).cpu(), (x * x).sum(0).cpu(), count])
+    dist.all_reduce(packed)
+    c = x.shape[1]
+    mean = packed[:c] / packed[-1]
+    return mean, packed[c : 2 * c] / packed[-1] - mean**2
+
+
+def test_syncbn_check_rejects_what_students_write(short_timeouts):
+    expect_fail("ex-8-syncbn", stats_in_float32, "torch.float32", "in x's dtype torch.float64")
+    expect_fail("ex-8-syncbn", stats_keeping_the_batch_dimension, "shape (1, 3)",
+                "expected shape (3,)")
+    expect_fail("ex-8-syncbn", stats_centring_x, "changed its argument x")
+    expect_fail("ex-8-syncbn", stats_in_three_collectives, "called 3 collectives",
+                "one is enough")
+    if not torch.cuda.is_available():  # where CUDA is in use, NCCL or the devices say it
+        expect_fail("ex-8-syncbn", stats_with_a_host_count, "the mean is on the CPU")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dpcourse.harness.exercises import ch09, run_check
@@ -410,3 +411,118 @@ def test_fsdp_order_check():
     assert not result.passed and "before the reduce-scatter has sent them" in result.message
     result = run_check("ex-9-fsdp-order", lambda: right[:4])
     assert not result.passed and "each of" in result.message
+
+
+# ------------------------------------------------ the wrong answers students write (issue 43)
+def expect_fail(label: str, fn, *phrases: str) -> None:
+    """``fn`` fails with ``phrases`` in the message (where CUDA is in use, a kind-3 answer fails
+    with CUDA's own words, which the phrases do not cover)."""
+    result = run_check(label, fn)
+    assert result.status == "failed", result.text()
+    if not torch.cuda.is_available():
+        for phrase in phrases:
+            assert phrase in result.message, f"{phrase!r} not in: {result.message}"
+
+
+def zero_memory_for_adam_only(psi, n, stage, k=12):
+    """Kind 1, a default never varied: K = 12 whatever k is given."""
+    return zero_memory.zero_memory_per_rank(psi, n, stage)
+
+
+def test_zero_memory_uses_the_k_it_is_given():
+    expect_fail("ex-9-memory", zero_memory_for_adam_only, "k = 4",
+                "That is the answer for K = 12")
+
+
+def _step_then_gather(flat_params, shard_grad, step_fn):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, end = flat_shards.shard_bounds(flat_params.numel(), world, rank)
+    step_fn(flat_params[start:end], shard_grad)
+    _gather(flat_params)
+
+
+def all_reduce_then_slice_step(flat_params, flat_grad, step_fn):
+    """Kind 2: the right shard of the mean, through an all-reduce (twice the bytes)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, end = flat_shards.shard_bounds(flat_params.numel(), world, rank)
+    mean = flat_grad.clone()
+    dist.all_reduce(mean)
+    _step_then_gather(flat_params, mean[start:end] / world, step_fn)
+
+
+def dividing_the_gradient_in_place(flat_params, flat_grad, step_fn):
+    """Kind 2: the mean, by dividing the caller's gradient in place before a summing
+    reduce-scatter."""
+    from dpcourse.collectives import ring_reduce_scatter
+
+    flat_grad.div_(dist.get_world_size())
+    _step_then_gather(flat_params, ring_reduce_scatter(flat_grad), step_fn)
+
+
+def gathering_into_float32(flat_params, flat_grad, step_fn):
+    """Kind 1 (dtype): the all-gather broadcasts through float32 buffers on the right device."""
+    from dpcourse.collectives import ring_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bounds = [flat_shards.shard_bounds(flat_params.numel(), world, r) for r in range(world)]
+    start, end = bounds[rank]
+    step_fn(flat_params[start:end], ring_reduce_scatter(flat_grad, op="mean"))
+    for owner, (s, e) in enumerate(bounds):
+        if e > s:
+            piece = torch.empty(e - s, device=flat_params.device)
+            piece.copy_(flat_params[s:e])
+            dist.broadcast(piece, src=owner)
+            flat_params[s:e] = piece
+
+
+def gathering_through_the_host(flat_params, flat_grad, step_fn):
+    """Kind 3: the all-gather broadcasts buffers made on the CPU."""
+    from dpcourse.collectives import ring_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bounds = [flat_shards.shard_bounds(flat_params.numel(), world, r) for r in range(world)]
+    start, end = bounds[rank]
+    step_fn(flat_params[start:end], ring_reduce_scatter(flat_grad, op="mean"))
+    for owner, (s, e) in enumerate(bounds):
+        if e > s:
+            piece = flat_params[s:e].cpu()
+            dist.broadcast(piece, src=owner)
+            flat_params[s:e] = piece
+
+
+def test_sharded_step_rejects_what_students_write(short_timeouts):
+    expect_fail("ex-9-sharded-step", all_reduce_then_slice_step, "you called dist.all_reduce",
+                "twice the bytes")
+    expect_fail("ex-9-sharded-step", dividing_the_gradient_in_place, "changed flat_grad")
+    expect_fail("ex-9-sharded-step", gathering_into_float32, "71 elements in float64",
+                "dist.broadcast of a torch.float32 tensor")
+    expect_fail("ex-9-sharded-step", gathering_through_the_host, "on a machine with GPUs",
+                "NCCL, the backend of a GPU per rank, takes GPU tensors only")
+
+
+def _reduce_scatter_into(make_output):
+    def launch(p):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        send, longest, bounds = _rank_chunks_padded(p.grad.detach().reshape(-1), world)
+        out = make_output(longest, send)
+        start, end = bounds[rank]
+        return dist.reduce_scatter_tensor(out, send, async_op=True), out, end - start
+
+    return launch
+
+
+def zero2_float32_output(params):
+    """Kind 1 (dtype): the output buffer made with torch.empty(n, device=...), float32."""
+    return _hooks(params, _reduce_scatter_into(lambda n, send: torch.empty(n, device=send.device)))
+
+
+def zero2_host_output(params):
+    """Kind 3: the output buffer of the right dtype made on the CPU."""
+    return _hooks(params, _reduce_scatter_into(lambda n, send: torch.empty(n, dtype=send.dtype)))
+
+
+def test_zero2_rejects_what_students_write(short_timeouts):
+    expect_fail("ex-9-zero2", zero2_float32_output, "a float64 model",
+                "dist.reduce_scatter_tensor of a torch.float32 tensor")
+    expect_fail("ex-9-zero2", zero2_host_output, "on a machine with GPUs",
+                "dist.reduce_scatter_tensor was given a tensor on the CPU")

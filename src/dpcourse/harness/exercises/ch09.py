@@ -155,7 +155,8 @@ def _sharded_step_on_rank(fn: Callable, lengths: list[tuple[int, torch.dtype]],
         where = f"{world} ranks, {n} elements" + (
             f" in {str(dtype).removeprefix('torch.')}" if dtype != torch.float32 else "")
         try:
-            with collectives_called() as called, as_on_gpus(device=[got, given], nccl=True):
+            with collectives_called(dtype) as called, as_on_gpus(device=[got, given],
+                                                                  nccl=True):
                 call_learner_in_place(fn, got, given, step_fn)
             problem = None
         except Mismatch as exc:
@@ -336,7 +337,7 @@ def _zero2_on_rank(fn: Callable, dtype: torch.dtype) -> list[str]:
     where = f"{world} ranks" + (f", a {str(dtype).removeprefix('torch.')} model"
                                 if dtype != torch.float32 else "")
     try:
-        with log.watching(), as_on_gpus(device=[model], nccl=True):
+        with log.watching(), collectives_called(dtype), as_on_gpus(device=[model], nccl=True):
             finish = call_learner_in_place(fn, params)
             if not callable(finish):
                 raise Mismatch(f"my_zero2_hooks should return a function finish(), got "

@@ -361,9 +361,9 @@ def _same_tensor(a: torch.Tensor, b: Any) -> bool:
         return False
     if a.device.type == "meta" or b.device.type == "meta":
         return a.device == b.device
-    return bool(torch.equal(a.cpu(), b.detach().cpu())
-                or (a.is_floating_point() and torch.equal(a.isnan(), b.detach().cpu().isnan())
-                    and torch.equal(a.nan_to_num(), b.detach().cpu().nan_to_num())))
+    a, b = a.detach().cpu(), b.detach().cpu()  # both on the host, also under as_on_gpus
+    return bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                      and torch.equal(a.nan_to_num(), b.nan_to_num())))
 
 
 def _first_change(before: Any, after: Any, path: str) -> str | None:
@@ -624,12 +624,14 @@ def learner_messages(dtype: torch.dtype | None = None) -> Iterator[list[tuple[in
 
 
 @contextlib.contextmanager
-def collectives_called() -> Iterator[list[str]]:
+def collectives_called(dtype: torch.dtype | None = None) -> Iterator[list[str]]:
     """While a learner's code runs on a rank: the names of the collectives it calls, in order,
     torch.distributed's (``"all_reduce"``) and the course's own (``"collectives.ring_all_reduce"``,
     looked up in :mod:`dpcourse.collectives` when called), for a check of what the statement
     asks (one collective for SyncBatchNorm's statistics; a reduce-scatter, not an all-reduce
-    and a slice, for ZeRO)."""
+    and a slice, for ZeRO). With ``dtype``, torch.distributed's collectives given floating-point
+    tensors of another dtype raise ``TypeError`` first: ranks whose tensors differ in size
+    would otherwise pair them (gloo aborts the process)."""
     calls: list[str] = []
     inside = threading.local()  # a collective that calls another by name: count the outer one
 
@@ -638,6 +640,14 @@ def collectives_called() -> Iterator[list[str]]:
             def counted(*args, **kwargs):
                 if getattr(inside, "depth", 0):
                     return real(*args, **kwargs)
+                if dtype is not None and "." not in name:
+                    for t in tensors_in_args(args, kwargs):
+                        if t.is_floating_point() and t.dtype != dtype:
+                            raise TypeError(
+                                f"dist.{name} of a {t.dtype} tensor, while the tensors are "
+                                f"{dtype}: the ranks' messages would not match (gloo aborts "
+                                "the process). Make buffers like the tensor: t.new_empty(n), "
+                                "torch.empty_like(t), or dtype=t.dtype, device=t.device")
                 calls.append(name)
                 inside.depth = 1
                 try:
@@ -653,7 +663,8 @@ def collectives_called() -> Iterator[list[str]]:
     try:
         for name, real in saved:
             setattr(ours, name, counting(f"collectives.{name}")(real))
-        with replaced({name: counting(name) for name in LIBRARY_COLLECTIVES}):
+        with replaced({name: counting(name) for name in (*LIBRARY_COLLECTIVES, "gather",
+                                                             "scatter")}):
             yield calls
     finally:
         for name, real in saved:
