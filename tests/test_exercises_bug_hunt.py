@@ -140,3 +140,41 @@ def test_step_check():
 
 def test_the_seed_pieces_fail_their_checks():
     assert not run_check("ex-bugs-noam", lambda s, d, w: bug_hunt_seed.noam_lambda(s, d, w)).passed
+
+
+# ------------------------------------------------ the wrong answers students write (issue 43)
+def test_batch_first_checks_the_sizes_and_the_mode():
+    # the mode the check never used: training, where nn.Transformer's default dropout acts
+    failed("ex-bugs-batch-first",
+           lambda d, h, n, ff: nn.Transformer(d, h, n, n, ff, batch_first=True),
+           "two forwards of the same batch differ", "dropout=0.0")
+    # an argument the parameter count cannot see: one head or several have the same weights
+    failed("ex-bugs-batch-first",
+           lambda d, h, n, ff: nn.Transformer(d, 1, n, n, ff, dropout=0.0, batch_first=True),
+           "nhead=2", "has [1] head(s)")
+
+
+def _step_with(device_type=None, dtype=None):
+    def step(model, batch, optimizer, scheduler, scaler, max_norm, given):
+        src, tgt_in, tgt_out, src_pad = batch
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device_type or src.device.type, dtype=dtype or given):
+            loss = bug_hunt.token_loss(model(src, tgt_in, src_pad), tgt_out)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        return loss.item()
+
+    return step
+
+
+def test_step_autocasts_on_the_batch_device_in_the_dtype_given():
+    # kind 1: the dtype argument, never varied, ignored for bfloat16
+    failed("ex-bugs-step", _step_with(dtype=torch.bfloat16), "with dtype=torch.float16",
+           "autocast to the dtype you are given")
+    if not torch.cuda.is_available():  # kind 3: 'cuda' hard-coded autocasts nothing on a CPU
+        failed("ex-bugs-step", _step_with(device_type="cuda"),
+               "did not run under autocast", "src.device.type")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dpcourse.cost import costmodel, hardware, noise_scale, scaling
 from dpcourse.harness.exercises import ch10, run_check
 
@@ -148,3 +150,34 @@ def test_tokens_to_hide_check_accepts_the_formula_and_names_three_slips():
     forward = lambda p, n, w, b, f, m, o: tokens_reference(p, n, w, b, f, m, o) * 3  # noqa: E731
     result = run_check("ex-10-hide", forward)
     assert not result.passed and "6 FLOPs per parameter" in result.message
+
+
+# ------------------------------------------------ the wrong answers students write (issue 43)
+def _search(target, c, b, a, beta, o, cap=100_000, zero=True):
+    if zero and scaling.efficiency(1, c, b, a, beta, o) < target:
+        return 0
+    lo, hi = 1, cap
+    if scaling.efficiency(hi, c, b, a, beta, o) >= target:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if scaling.efficiency(mid, c, b, a, beta, o) >= target else (lo, mid)
+    return lo
+
+
+def test_largest_world_size_tries_the_edges_of_its_statement():
+    # kind 1, edge sizes: a search that stops one short of the cap, and one that returns 1
+    # where not even one rank reaches the target
+    def one_short(*case):
+        return min(_search(*case), 99_999)
+
+    result = run_check("ex-10-largest-n", one_short)
+    assert not result.passed and "expected N=100000" in result.message
+    assert "does your search stop one short" in result.message
+    result = run_check("ex-10-largest-n", lambda *case: _search(*case, zero=False))
+    assert not result.passed and "expected N=0, got 1" in result.message
+
+
+def test_tokens_to_hide_takes_the_fewest_whole_tokens():
+    """The fewest tokens is a whole number: the real number rounded up is right too."""
+    assert run_check("ex-10-hide", lambda *a: math.ceil(tokens_reference(*a))).passed

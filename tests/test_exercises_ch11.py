@@ -126,3 +126,17 @@ def test_node_bytes_check():
 
     result = run_check("ex-11-node-bytes", every_rank_crosses)
     assert not result.passed and "only the node's last rank" in result.message
+
+
+def test_node_bytes_tries_one_node():
+    """Kind 1, an edge size: with one node nothing crosses, whatever the strategy's formula."""
+
+    def formula_without_the_edge(strategy, p, nodes, k, width):
+        world, size = nodes * k, p * width
+        if strategy == "hsdp":
+            return 2 * (nodes - 1) / nodes * size
+        return (2 if strategy == "ddp" else 3) * (world - 1) / world * size
+
+    result = run_check("ex-11-node-bytes", formula_without_the_edge)
+    assert not result.passed and "on 1 nodes of 4 ranks" in result.message
+    assert "nothing crosses, 0 bytes" in result.message

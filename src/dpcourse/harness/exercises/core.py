@@ -542,7 +542,12 @@ def run_learner_on_ranks(
             f"receive posted on the other rank (isend/irecv avoid the wait).\n"
             + exc.remote_traceback
         ) from None
-    except RankError as exc:
+    except RankError as first:
+        # A rank that found the mistake (a Mismatch) is the one to report, not a rank that
+        # failed after it, because it had left (gloo's "Connection closed by peer")
+        failures = [first, *(f for r, f in sorted(first.failures.items()) if f is not first)]
+        exc = next((f for f in failures if isinstance(f.original, Mismatch | NotAttempted
+                                                      | NotImplementedError)), first)
         if isinstance(exc.original, NotImplementedError | NotAttempted):
             raise NotAttempted(str(exc.original) or "the function is not written yet") from None
         if isinstance(exc.original, Mismatch):  # a comparison made on the rank itself
