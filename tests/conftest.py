@@ -32,3 +32,24 @@ def shared_rank_pools():
     yield pools
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def rejects():
+    """``rejects(label, fn, *phrases)``: exercise ``label``'s check fails ``fn`` with each of
+    ``phrases`` in its message. Where CUDA is in use, an answer that mixes devices fails in
+    CUDA's own words instead of those of the CPU's model of a GPU (the device audit's tags),
+    which the phrases are written for: there only the failure is asserted."""
+    import torch
+
+    from dpcourse.harness.exercises import run_check
+
+    def check(label: str, fn, *phrases: str) -> str:
+        result = run_check(label, fn)
+        assert result.status == "failed", result.text()
+        if not torch.cuda.is_available():
+            for phrase in phrases:
+                assert phrase in result.message, f"{phrase!r} not in: {result.message}"
+        return result.message
+
+    return check

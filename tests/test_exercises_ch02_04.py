@@ -176,8 +176,10 @@ def test_create_replicas():
     expect_fail("ex-3-replicas", shared, "replicas 0 and 1 are the same object")
 
 
-def _step(average=False, broadcast=True, only_first=False):
-    """A manual data-parallel step with one of three mistakes switched on."""
+def _step(average=False, broadcast=True, only_first=False, mistake=None):
+    """A manual data-parallel step with one of three mistakes switched on, or one of issue 43's
+    ``mistake``s: "every replica" (the replicas' gradients summed whether or not a replica got a
+    chunk), "on the replica's device" (never moved to the master's), "a tensor" (returned)."""
 
     def step(master, replicas, batch, loss_fn, optimizer):
         x, y = batch
@@ -191,12 +193,16 @@ def _step(average=False, broadcast=True, only_first=False):
         loss = loss_fn(out, y.to(devices[0]))
         loss.backward()
         used = replicas[:1] if only_first else replicas[: len(chunks)]
+        used = replicas if mistake == "every replica" else used
         for p, *copies in zip(master.parameters(), *(r.parameters() for r in used), strict=True):
-            p.grad = sum(c.grad.to(p.device) for c in copies)  # the master is on the host
+            if mistake == "on the replica's device":
+                p.grad = sum(c.grad for c in copies)
+            else:
+                p.grad = sum(c.grad.to(p.device) for c in copies)  # the master is on the host
             if average:
                 p.grad = p.grad / len(copies)
         optimizer.step()
-        return loss.item()
+        return loss if mistake == "a tensor" else loss.item()
 
     return step
 
@@ -362,79 +368,45 @@ def test_create_replicas_puts_each_on_its_device():
                 "replica 1 is on cpu, expected meta")
 
 
-def _step_with(mistake):
-    """A manual data-parallel step with one of the mistakes below."""
-
-    def step(master, replicas, batch, loss_fn, optimizer):
-        x, y = batch
-        replication.broadcast_parameters(master, replicas)
-        for r in replicas:
-            r.zero_grad(set_to_none=True)
-        devices = [replication.module_device(r) for r in replicas]
-        chunks = scatter_gather.scatter(x, devices)
-        out = scatter_gather.gather(scatter_gather.parallel_apply(replicas, chunks), devices[0])
-        loss = loss_fn(out, y.to(devices[0]))
-        loss.backward()
-        used = replicas if mistake == "every replica" else replicas[: len(chunks)]
-        for p, *copies in zip(master.parameters(), *(r.parameters() for r in used), strict=True):
-            if mistake == "on the replica's device":  # kind 3: never moved to the master's
-                p.grad = sum(c.grad for c in copies)
-            else:
-                p.grad = sum(c.grad.to(p.device) for c in copies)
-        optimizer.step()
-        return loss if mistake == "a tensor" else loss.item()
-
-    return step
-
-
 def test_data_parallel_step_rejects_what_students_write():
-    expect_fail("ex-3-step", _step_with("on the replica's device"), "the replicas on a GPU",
+    expect_fail("ex-3-step", _step(mistake="on the replica's device"), "the replicas on a GPU",
                 "on a machine with GPUs", "p.grad = sum(c.grad for c in copies)")
     # kind 1, an edge size: 6 samples on 4 replicas make 3 chunks, and replica 3 has no gradient
-    expect_fail("ex-3-step", _step_with("every replica"), "4 replica(s), step 1",
+    expect_fail("ex-3-step", _step(mistake="every replica"), "4 replica(s), step 1",
                 "so a replica gets none", "raised")
-    expect_fail("ex-3-step", _step_with("a tensor"), "you returned a tensor", "loss.item()")
+    expect_fail("ex-3-step", _step(mistake="a tensor"), "you returned a tensor", "loss.item()")
 
 
-def grads_shared(replicas, sizes):
-    """Kind 2: every replica's .grad set to one tensor."""
-    total = sum(sizes)
-    for params in zip(*(r.parameters() for r in replicas), strict=True):
-        if not params[0].requires_grad:
-            continue
-        mean = sum(s / total * p.grad.to("cpu") for s, p in zip(sizes, params, strict=True))
-        for p in params:
-            p.grad = mean
+def _average_gradients(mistake):
+    """The weighted mean of the replicas' gradients with one of three mistakes: "shared" (kind
+    2: every replica's .grad set to one tensor), "on the devices" (kind 3: the weighted sum
+    computed across the replicas' devices, not on the CPU), "left on the CPU" (kind 3: the mean
+    given to every replica where it was computed)."""
 
+    def average(replicas, sizes):
+        total = sum(sizes)
+        for params in zip(*(r.parameters() for r in replicas), strict=True):
+            if not params[0].requires_grad:
+                continue
+            where = (lambda g: g) if mistake == "on the devices" else (lambda g: g.to("cpu"))
+            mean = sum(s / total * where(p.grad) for s, p in zip(sizes, params, strict=True))
+            for p in params:
+                if mistake == "shared":
+                    p.grad = mean
+                elif mistake == "left on the CPU":
+                    p.grad = mean.clone()
+                else:
+                    p.grad.copy_(mean)
 
-def grads_summed_on_the_devices(replicas, sizes):
-    """Kind 3: the weighted sum computed across the replicas' devices, not on the CPU."""
-    total = sum(sizes)
-    for params in zip(*(r.parameters() for r in replicas), strict=True):
-        if not params[0].requires_grad:
-            continue
-        mean = sum(s / total * p.grad for s, p in zip(sizes, params, strict=True))
-        for p in params:
-            p.grad.copy_(mean)
-
-
-def grads_left_on_the_cpu(replicas, sizes):
-    """Kind 3: the mean, computed on the CPU, given to every replica as it is."""
-    total = sum(sizes)
-    for params in zip(*(r.parameters() for r in replicas), strict=True):
-        if not params[0].requires_grad:
-            continue
-        mean = sum(s / total * p.grad.to("cpu") for s, p in zip(sizes, params, strict=True))
-        for p in params:
-            p.grad = mean.clone()
+    return average
 
 
 def test_average_gradients_rejects_what_students_write():
-    expect_fail("ex-4-weighted", grads_shared, "replicas 0 and 1 share one tensor",
+    expect_fail("ex-4-weighted", _average_gradients("shared"), "replicas 0 and 1 share one tensor",
                 "p.grad.copy_(mean)")
-    expect_fail("ex-4-weighted", grads_summed_on_the_devices,
+    expect_fail("ex-4-weighted", _average_gradients("on the devices"),
                 "replica 0 on the CPU and the others on a GPU", "on a machine with GPUs")
-    expect_fail("ex-4-weighted", grads_left_on_the_cpu,
+    expect_fail("ex-4-weighted", _average_gradients("left on the CPU"),
                 "replica 0 on the CPU and the others on a GPU",
                 "a gradient on the host was assigned to a parameter on the device")
 

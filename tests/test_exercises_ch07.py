@@ -452,16 +452,6 @@ def test_bucketed_ddp_check_names_a_rank_that_skipped_the_last_bucket():
 
 
 # ------------------------------------------------ the wrong answers students write (issue 43)
-def expect_fail(label: str, fn, *phrases: str) -> None:
-    """``fn`` fails with ``phrases`` in the message (where CUDA is in use, a kind-3 answer fails
-    with CUDA's own words, which the phrases do not cover)."""
-    result = run_check(label, fn)
-    assert result.status == "failed", result.text()
-    if not torch.cuda.is_available():
-        for phrase in phrases:
-            assert phrase in result.message, f"{phrase!r} not in: {result.message}"
-
-
 def buckets_reversing_the_sizes(sizes, cap):
     """Kind 2: right buckets, but the caller's list of sizes is reversed in place."""
     sizes.reverse()  # the last parameter first
@@ -475,8 +465,8 @@ def buckets_reversing_the_sizes(sizes, cap):
     return out + ([current] if current else [])
 
 
-def test_buckets_leave_the_sizes_alone():
-    expect_fail("ex-7-buckets", buckets_reversing_the_sizes, "changed its argument param_bytes")
+def test_buckets_leave_the_sizes_alone(rejects):
+    rejects("ex-7-buckets", buckets_reversing_the_sizes, "changed its argument param_bytes")
 
 
 def launch_and_wait(param, pending):
@@ -488,8 +478,8 @@ def launch_and_wait(param, pending):
     pending.append(work)
 
 
-def test_hook_rejects_a_wait_inside_backward(short_timeouts, pools):
-    expect_fail("ex-7-hook", launch_and_wait, "waited on inside backward (in launch_and_wait)",
+def test_hook_rejects_a_wait_inside_backward(short_timeouts, pools, rejects):
+    rejects("ex-7-hook", launch_and_wait, "waited on inside backward (in launch_and_wait)",
                 "append its Work to `pending` and return")
 
 
@@ -502,8 +492,8 @@ def sampler_padding_once(n, world, rank, epoch, seed):
     return perm[rank::world]
 
 
-def test_sampler_pads_with_fewer_samples_than_ranks():
-    expect_fail("ex-7-sampler", sampler_padding_once, "1 samples, 4 ranks",
+def test_sampler_pads_with_fewer_samples_than_ranks(rejects):
+    rejects("ex-7-sampler", sampler_padding_once, "1 samples, 4 ranks",
                 "repeated more than once")
 
 
@@ -517,8 +507,8 @@ def average_on_the_host(module):
             p.grad = grad
 
 
-def test_average_keeps_the_gradients_on_the_device(short_timeouts, pools):
-    expect_fail("ex-7-average", average_on_the_host, "on a machine with GPUs",
+def test_average_keeps_the_gradients_on_the_device(short_timeouts, pools, rejects):
+    rejects("ex-7-average", average_on_the_host, "on a machine with GPUs",
                 "a gradient on the host was assigned to a parameter on the device")
 
 
@@ -532,6 +522,6 @@ class ZerosOnTheHost(MyBucketedDDP):
         self.next_to_launch = k + 1
 
 
-def test_bucketed_ddp_makes_zeros_where_the_gradients_are(short_timeouts, pools):
-    expect_fail("ex-7-bucketed-ddp", answer(ZerosOnTheHost), "on a machine with GPUs",
+def test_bucketed_ddp_makes_zeros_where_the_gradients_are(short_timeouts, pools, rejects):
+    rejects("ex-7-bucketed-ddp", answer(ZerosOnTheHost), "on a machine with GPUs",
                 "cat() got host tensor")
