@@ -363,13 +363,13 @@ def replicas_left_in_place(model, devices):
     return replicas
 
 
-def test_create_replicas_puts_each_on_its_device():
-    expect_fail("ex-3-replicas", replicas_left_in_place, "devices [cpu, meta]",
+def test_create_replicas_puts_each_on_its_device(rejects):
+    rejects("ex-3-replicas", replicas_left_in_place, "devices [cpu, meta]",
                 "replica 1 is on cpu, expected meta")
 
 
-def test_data_parallel_step_rejects_what_students_write():
-    expect_fail("ex-3-step", _step(mistake="on the replica's device"), "the replicas on a GPU",
+def test_data_parallel_step_rejects_what_students_write(rejects):
+    rejects("ex-3-step", _step(mistake="on the replica's device"), "the replicas on a GPU",
                 "on a machine with GPUs", "p.grad = sum(c.grad for c in copies)")
     # kind 1, an edge size: 6 samples on 4 replicas make 3 chunks, and replica 3 has no gradient
     expect_fail("ex-3-step", _step(mistake="every replica"), "4 replica(s), step 1",
@@ -401,12 +401,12 @@ def _average_gradients(mistake):
     return average
 
 
-def test_average_gradients_rejects_what_students_write():
+def test_average_gradients_rejects_what_students_write(rejects):
     expect_fail("ex-4-weighted", _average_gradients("shared"), "replicas 0 and 1 share one tensor",
                 "p.grad.copy_(mean)")
-    expect_fail("ex-4-weighted", _average_gradients("on the devices"),
+    rejects("ex-4-weighted", _average_gradients("on the devices"),
                 "replica 0 on the CPU and the others on a GPU", "on a machine with GPUs")
-    expect_fail("ex-4-weighted", _average_gradients("left on the CPU"),
+    rejects("ex-4-weighted", _average_gradients("left on the CPU"),
                 "replica 0 on the CPU and the others on a GPU",
                 "a gradient on the host was assigned to a parameter on the device")
 
@@ -440,9 +440,9 @@ def params_stacked(replicas):
                 p.copy_(mean)
 
 
-def test_average_parameters_rejects_what_students_write():
+def test_average_parameters_rejects_what_students_write(rejects):
     expect_fail("ex-4-params", params_shared, "replicas 0 and 1 share one tensor",
                 "p.copy_(mean)")
     expect_fail("ex-4-params", params_in_float32, "3 replicas in float64", "is now torch.float32")
-    expect_fail("ex-4-params", params_stacked, "replica 0 on the CPU and the others on a GPU",
+    rejects("ex-4-params", params_stacked, "replica 0 on the CPU and the others on a GPU",
                 "stack() got host tensor")
