@@ -15,13 +15,13 @@ from dpcourse.harness.exercises.core import (
     Mismatch,
     NotAttempted,
     about,
-    as_on_gpus,
     call_learner,
     call_learner_untouched,
     describe,
     exercise,
     shares_memory,
 )
+from dpcourse.harness.exercises.devices import as_on_gpus
 from dpcourse.one_device import data, models, training
 from dpcourse.replicas import replication, scatter_gather
 

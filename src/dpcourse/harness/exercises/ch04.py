@@ -15,12 +15,12 @@ from torch import nn
 from dpcourse.harness.exercises.core import (
     Mismatch,
     about,
-    as_on_gpus,
     call_learner,
     exercise,
     expect_close,
     shares_memory,
 )
+from dpcourse.harness.exercises.devices import as_on_gpus
 from dpcourse.one_device import data, models
 from dpcourse.replicas import averaging, parameter_averaging, replication
 

@@ -16,12 +16,12 @@ from dpcourse.collectives import tree_rounds
 from dpcourse.harness.exercises.core import (
     Mismatch,
     any_rank,
-    as_on_gpus,
     call_collective,
     call_learner,
     exercise,
     run_learner_on_ranks,
 )
+from dpcourse.harness.exercises.devices import as_on_gpus
 
 WORLD_SIZES = (2, 4, 5)
 RANK_TIMEOUT = 40.0  # seconds for one world size; a deadlock ends here

@@ -14,12 +14,12 @@ from dpcourse import runtime
 from dpcourse.harness.exercises.core import (
     Mismatch,
     any_rank,
-    as_on_gpus,
     call_collective,
     call_learner,
     exercise,
     run_learner_on_ranks,
 )
+from dpcourse.harness.exercises.devices import as_on_gpus
 
 RANK_TIMEOUT = 30.0  # seconds for one world size; a deadlock ends here
 

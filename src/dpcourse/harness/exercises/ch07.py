@@ -20,13 +20,13 @@ from dpcourse import runtime
 from dpcourse.ddp import buckets
 from dpcourse.harness.exercises.core import (
     Mismatch,
-    as_on_gpus,
     call_learner,
     call_learner_in_place,
     call_learner_untouched,
     exercise,
     run_learner_on_ranks,
 )
+from dpcourse.harness.exercises.devices import as_on_gpus
 from dpcourse.harness.exercises.waits import BackwardWatch, is_blocking
 from dpcourse.one_device import models
 

@@ -19,14 +19,13 @@ from dpcourse.ddp import ddp
 from dpcourse.harness.bench import elastic, recorded
 from dpcourse.harness.exercises.core import (
     Mismatch,
-    as_on_gpus,
     call_learner,
     call_learner_untouched,
     collectives_called,
     exercise,
-    expect_on_device_of,
     run_learner_on_ranks,
 )
+from dpcourse.harness.exercises.devices import as_on_gpus, expect_on_device_of
 from dpcourse.practice import lr_schedule
 from dpcourse.runtime import device
 

@@ -21,7 +21,6 @@ from dpcourse.collectives.ops import chunk_bounds
 from dpcourse.harness.exercises.core import (
     Mismatch,
     any_rank,
-    as_on_gpus,
     call_learner,
     call_learner_in_place,
     collectives_called,
@@ -29,6 +28,7 @@ from dpcourse.harness.exercises.core import (
     learner_error,
     run_learner_on_ranks,
 )
+from dpcourse.harness.exercises.devices import as_on_gpus
 from dpcourse.harness.exercises.waits import BackwardWatch, is_blocking
 from dpcourse.harness.patching import replaced
 from dpcourse.sharding import flat_shards, fsdp_layer
