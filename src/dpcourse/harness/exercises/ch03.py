@@ -17,7 +17,7 @@ from dpcourse.harness.exercises.core import (
     about,
     call_learner,
     call_learner_untouched,
-    describe,
+    describe_value,
     exercise,
     shares_memory,
 )
@@ -216,7 +216,7 @@ def data_parallel_step(fn: Callable) -> str:
             with about(what), as_on_gpus(host=[master, *batch], device=replicas):
                 got = call_learner(fn, master, replicas, batch, loss_fn, opt)
             if isinstance(got, torch.Tensor):
-                raise Mismatch(f"{what}: you returned a tensor ({describe(got)}); return the "
+                raise Mismatch(f"{what}: you returned a tensor ({describe_value(got)}); return the "
                                "loss as a float, loss.item(): a tensor keeps the graph of the "
                                "whole step alive, and on a GPU reading it waits for the device")
             if not isinstance(got, int | float) or abs(got - ref_losses[step]) > 1e-9:

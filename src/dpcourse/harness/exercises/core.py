@@ -68,7 +68,6 @@ __all__ = [
     "learner_error",
     "about",
     "expect_type",
-    "describe",
     "shares_memory",
     "collectives_called",
     "run_learner_on_ranks",
@@ -247,9 +246,7 @@ def _time_limit(seconds: float) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, left, outer_interval)
 
 
-def describe(value: Any) -> str:
-    """A short description of ``value`` for a message: a tensor's shape, dtype and (up to 12)
-    values, else its repr cut at 200 characters."""
+def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         body = str(value.tolist()) if value.numel() <= 12 else f"{value.numel()} values"
         return f"tensor of shape {tuple(value.shape)}, {value.dtype}: {body}"
@@ -295,7 +292,7 @@ def learner_error(fn: Callable, exc: Exception, args: tuple = ()) -> Mismatch:
     """The :class:`Mismatch` that says the learner's ``fn`` raised ``exc`` (when called with
     ``args``), at their own line: for an exception that reaches the check some other way than
     through :func:`call_learner` (out of ``backward()``, from a hook of theirs)."""
-    inputs = ", ".join(describe(a) for a in args)
+    inputs = ", ".join(_describe(a) for a in args)
     where = _learner_frame(fn, exc)
     if isinstance(exc, device_audit.DeviceAuditError):  # raised under as_on_gpus
         what = str(exc).split(" (Found by the device audit")[0]
@@ -337,7 +334,7 @@ def expect_type(got: Any, kind: type | tuple[type, ...], what: str, hint: str = 
     if isinstance(got, kinds) and not (isinstance(got, bool) and bool not in kinds):
         return
     names = " or ".join(k.__name__ for k in kinds)
-    raise Mismatch(f"{what}: expected {names}, got {type(got).__name__} {describe(got)}"
+    raise Mismatch(f"{what}: expected {names}, got {type(got).__name__} {_describe(got)}"
                    + (f". {hint}" if hint else ""))
 
 
@@ -628,7 +625,7 @@ def expect_equal(got: Any, want: Any, what: str) -> None:
         expect_close(got, want, what, rtol=0.0, atol=0.0)
         return
     if got != want:
-        raise Mismatch(f"{what}: expected {describe(want)}, got {describe(got)}")
+        raise Mismatch(f"{what}: expected {_describe(want)}, got {_describe(got)}")
 
 
 def expect_close(
@@ -639,7 +636,7 @@ def expect_close(
     Tolerances default to torch.testing's for the dtype (float32: rtol 1.3e-6, atol 1e-5).
     """
     if not isinstance(got, torch.Tensor):
-        raise Mismatch(f"{what}: expected a tensor, got {type(got).__name__} {describe(got)}")
+        raise Mismatch(f"{what}: expected a tensor, got {type(got).__name__} {_describe(got)}")
     if got.shape != want.shape:
         raise Mismatch(f"{what}: expected shape {tuple(want.shape)}, got shape {tuple(got.shape)}")
     if got.dtype != want.dtype:
