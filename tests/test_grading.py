@@ -162,6 +162,7 @@ def test_a_check_that_looks_inside_the_process_is_not_judged_apart():
     player whatever the list says: what the check's functions of its module name counts too."""
     assert JUDGED_APART <= set(registry())
     assert judged_apart("ex-7-buckets") and not judged_apart("ex-7-average")
+    assert not judged_apart("ex-3-chunk")  # its views are compared with its input's memory
     assert "run_learner_on_ranks" in judge.names_used(_check)
     assert not judge.names_used(judge.names_used) & judge.IN_PROCESS
 

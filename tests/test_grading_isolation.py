@@ -57,6 +57,15 @@ def graded() -> dict[tuple[str, str], grading.GradeRow]:
             if part == "7" and name in ("partly", "crashing"):
                 nb = _only(nb, without_74)
             chosen.append(_submission(f"{part}-{name}", nb))
+    # Right numbers, its argument emptied afterwards: judged apart, the check still sees it.
+    mutating = subs.book_answer("7", "my_bucket_assignment").replace(
+        "def my_bucket_assignment(param_bytes, cap_bytes):",
+        "def my_bucket_assignment(param_bytes, cap_bytes):\n"
+        "    answer = _right(list(param_bytes), cap_bytes)\n"
+        "    param_bytes.clear()\n"
+        "    return answer\n\n\n"
+        "def _right(param_bytes, cap_bytes):")
+    chosen.append(_submission("7-mutating", subs.notebook("7", {"ex-7-buckets": mutating})))
     for name, (_, nb) in {**subs.adversarial(), **subs.adversarial_other()}.items():
         if name not in ("course-functions", "killing-answer", "needs-a-looping-cell"):
             nb = _only(nb, without_74)
@@ -90,6 +99,8 @@ def test_honest_submissions_get_the_scores_they_earn(graded):
     assert _status(graded, "7-wrong") == dict.fromkeys(subs.CH7, failed)
     assert _status(graded, "7-partly") == {"ex-7-buckets": passed, "ex-7-sampler": failed}
     assert _status(graded, "7-crashing") == {"ex-7-buckets": failed, "ex-7-sampler": failed}
+    assert _status(graded, "7-mutating") == {"ex-7-buckets": failed}
+    assert "changed its argument" in graded[("7-mutating", "ex-7-buckets")].message
     # The checks' own messages, the learner's line quoted where the function raised.
     assert "start from parameter 0" in graded[("7-wrong", "ex-7-buckets")].message
     assert "divide by 2" in graded[("7-wrong", "ex-7-average")].message

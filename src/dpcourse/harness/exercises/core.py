@@ -310,7 +310,9 @@ def _learner_frame(fn: Callable, exc: BaseException) -> traceback.FrameSummary:
     """The last line of the learner's own code in ``exc``'s traceback (the last line of all
     where none is theirs, a lambda's say)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    mine = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    # a stand-in for a function run elsewhere (the grader's) names the file of its code
+    mine = getattr(fn, "learner_file", None) or getattr(getattr(fn, "__code__", None),
+                                                        "co_filename", None)
     if mine is None:  # a class, or a callable object: the file its class was written in
         mine = getattr(getattr(type(fn), "__init__", None), "__code__", None)
         mine = getattr(mine, "co_filename", None)

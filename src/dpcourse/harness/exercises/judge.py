@@ -48,6 +48,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
+
 from dpcourse.harness.exercises import learner_data
 from dpcourse.harness.exercises.core import (
     CheckResult,
@@ -80,7 +82,7 @@ JUDGED_APART = frozenset({
 # argument changed in place, memory shared with an argument, devices modelled on the CPU, ranks,
 # the learner's own frames): a check whose code names one is checked in the player, whatever
 # JUDGED_APART says (judged_apart).
-IN_PROCESS = frozenset({"call_learner_untouched", "call_learner_in_place", "as_on_gpus",
+IN_PROCESS = frozenset({"call_learner_in_place", "as_on_gpus",
                         "shares_memory", "run_learner_on_ranks", "call_collective",
                         "learner_messages", "learner_error"})
 # Seconds beyond a check's own limit that a player running it may take (rank start-up and
@@ -259,6 +261,7 @@ class LearnerFunction:
     def __init__(self, player: Player, name: str):
         self.player = player
         self.__name__ = self.__qualname__ = name
+        self.learner_file: str | None = None  # where its code is (the check quotes its line)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -276,6 +279,10 @@ class LearnerFunction:
         event = reply.get("event")
         if event == "returned":
             try:
+                if "args" in reply:  # what the call changed in place, changed here too
+                    for mine, theirs in zip(args, learner_data.decode(reply["args"]),
+                                            strict=False):
+                        _mirror(mine, theirs)
                 return learner_data.decode(reply["value"])
             except Exception as exc:  # whatever the player sent: the learner's process
                 raise Mismatch(f"when called with ({inputs}), your function returned something "
@@ -287,9 +294,39 @@ class LearnerFunction:
         if event == "raised" and isinstance(reply.get("error"), dict):
             if reply["error"].get("not_implemented"):
                 raise NotImplementedError(str(reply["error"].get("message", "")))
+            if isinstance(reply["error"].get("filename"), str):
+                self.learner_file = reply["error"]["filename"]
             _raise_at(reply["error"])
         raise Mismatch(f"when called with ({inputs}), the process running your function "
                        "answered something that is not a result")
+
+
+def _mirror(mine: Any, theirs: Any) -> None:
+    """Change the judge's arguments ``mine`` in place as the learner's call changed its copies
+    (``theirs``, sent back after the call): tensors' values, lists' and dicts' contents, so that
+    a check that wants its arguments untouched (:func:`~.core.call_learner_untouched`) sees
+    what the call did to them. What cannot change in place (a tensor's shape) is left."""
+    if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+        if mine.shape == theirs.shape and not mine.is_meta:
+            with torch.no_grad():
+                mine.copy_(theirs.to(mine.device, mine.dtype))
+    elif isinstance(mine, list) and isinstance(theirs, list):
+        if len(mine) == len(theirs) and all(
+                isinstance(a, (torch.Tensor, list, dict)) for a in mine):
+            for a, b in zip(mine, theirs, strict=True):
+                _mirror(a, b)
+        else:
+            mine[:] = theirs
+    elif isinstance(mine, dict) and isinstance(theirs, dict):
+        if mine.keys() == theirs.keys():
+            for k in mine:
+                if isinstance(mine[k], (torch.Tensor, list, dict)):
+                    _mirror(mine[k], theirs[k])
+                else:
+                    mine[k] = theirs[k]
+        else:
+            mine.clear()
+            mine.update(theirs)
 
 
 # ------------------------------------------------------------------------- the course's answers

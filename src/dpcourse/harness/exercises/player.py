@@ -158,8 +158,9 @@ def serve(sock_fd: int, out_fd: int) -> int:
         except BaseException as exc:
             _send(conn, event="raised", error=learner_error(exc))
             continue
-        try:
-            _send(conn, event="returned", value=learner_data.encode(value))
+        try:  # the arguments too, as the call left them: the judge sees what it changed
+            _send(conn, event="returned", value=learner_data.encode(value),
+                  args=learner_data.encode(list(args)))
         except learner_data.NotData as exc:
             _send(conn, event="not data", what=str(exc))
 
