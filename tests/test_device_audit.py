@@ -301,6 +301,69 @@ def test_point_to_point_of_gpu_tensors_over_gloo_fails_unless_staged(monkeypatch
     assert got[1]["ping_pong"].endswith("x = [42.0, 42.0, 42.0, 42.0]")
 
 
+def _unstaged_group_on_rank() -> dict:
+    from dpcourse import runtime
+    from dpcourse.collectives import ring_all_reduce
+    from dpcourse.sharding.fsdp import FSDP
+    from dpcourse.sharding.zero import ShardedOptimizer
+
+    rank, dev = dist.get_rank(), runtime.device()
+    torch.manual_seed(0)  # the same model on both ranks; each rank its own batch
+    nets = [torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(dev)
+            for _ in range(3)]
+    for net in nets[1:]:
+        net.load_state_dict(nets[0].state_dict())
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank)).to(dev)
+    out = {}
+    with _unstaged():  # what torch's own init_process_group leaves: no host staging installed
+        out["raw isend"] = _raises(lambda: dist.isend(torch.ones(2, device=dev), 1 - rank))
+        t = torch.full((5,), float(rank + 1), device=dev)
+        ring_all_reduce(t)
+        out["ring"] = (t.tolist(), device_audit.where(t))
+        zero = ShardedOptimizer(nets[0].parameters(), torch.optim.AdamW, lr=0.1)
+        nets[0](x).sum().backward()
+        zero.step()
+        fsdp = FSDP(nets[1])
+        sgd = torch.optim.SGD(fsdp.parameters(), lr=0.1)
+        fsdp(x).sum().backward()
+        fsdp.finish_gradient_synchronization()
+        sgd.step()
+        fsdp_weights = fsdp.full_state_dict()
+    ref = nets[2]  # one process's training on the averaged gradient (gloo's all-reduce)
+    ref(x).sum().backward()
+    grads = [p.grad.clone() for p in ref.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g.div_(2)
+    for opt_cls, got in ((torch.optim.AdamW, dict(nets[0].named_parameters())),
+                         (torch.optim.SGD, fsdp_weights)):
+        ref.load_state_dict(nets[2].state_dict())
+        start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        for p, g in zip(ref.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        opt_cls(ref.parameters(), lr=0.1).step()
+        out[opt_cls.__name__] = all(torch.allclose(got[n], p, atol=1e-6)
+                                    for n, p in ref.named_parameters())
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(start[n])
+    return out
+
+
+def test_our_collectives_stage_gpu_tensors_where_torch_started_the_group(monkeypatch):
+    """CS336's tests (tools/cs336/adapters.py) start their gloo group with torch's own
+    init_process_group and put the model on cuda:<rank>: no dpcourse.runtime, so no host staging,
+    and our rings (ShardedOptimizer, FSDP) sent GPU tensors through gloo's send and recv ('writev
+    ... Bad address'). dpcourse.collectives.p2p now stages its own messages there."""
+    monkeypatch.setenv(device_audit.ENV, "one-gpu")
+    with RankPool(2) as pool:
+        got = pool.run(_unstaged_group_on_rank)
+    for out in got:
+        assert "isend" in out["raw isend"] and "Bad address" in out["raw isend"], out
+        assert out["ring"] == ([3.0] * 5, "device")
+        assert out["AdamW"] and out["SGD"], out  # ZeRO's and FSDP's step, on the mean gradient
+
+
 def _nccl_versions_on_rank():
     from dpcourse import runtime
 

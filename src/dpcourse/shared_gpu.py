@@ -13,8 +13,11 @@ torch.distributed's ``send``, ``recv``, ``isend`` and ``irecv`` by versions that
 to the host before sending it, and receive into a host buffer that ``wait()`` copies to the GPU
 tensor (as NCCL's, a received tensor holds its data only once ``wait()`` has returned).
 :func:`dpcourse.runtime.init_process_group` installs them in every rank whose backend is gloo and
-whose device is a GPU; host tensors pass through untouched. Chapter 5 shows what it costs: two
-copies across PCIe per message, on top of gloo's TCP.
+whose device is a GPU; host tensors pass through untouched. Where a process group was started
+without it (torch's own ``init_process_group``, as CS336's tests start theirs), the course's
+collectives still stage their messages: :mod:`dpcourse.collectives.p2p` takes each function from
+:func:`through_host`. Chapter 5 shows what it costs: two copies across PCIe per message, on top of
+gloo's TCP.
 
 Chapter 0: the course-wide runtime (chapter 5 explains it).
 """
@@ -30,7 +33,8 @@ import torch.distributed as dist
 
 from dpcourse.stand_in import stand_in
 
-__all__ = ["on_gpu", "replace", "StagedWork", "stage_point_to_point", "staging_installed"]
+__all__ = ["on_gpu", "replace", "StagedWork", "stage_point_to_point", "staging_installed",
+           "through_host"]
 
 
 def on_gpu(tensor: torch.Tensor) -> bool:
@@ -126,3 +130,12 @@ def stage_point_to_point() -> None:
     for name in ("send", "recv", "isend", "irecv"):
         replace(name, _staged(name, getattr(dist.distributed_c10d, name)))
     _installed = True
+
+
+def through_host(name: str) -> Callable:
+    """torch.distributed's ``send``, ``recv``, ``isend`` or ``irecv`` (``name``) with a GPU
+    tensor staged through host memory, whether or not :func:`stage_point_to_point` ran: for a
+    process group that torch's ``init_process_group`` started (a learner's script, CS336's tests),
+    where nothing installed the staging. Where it is installed, the inner (staged) function gets
+    a host tensor and passes it through."""
+    return _staged(name, getattr(dist.distributed_c10d, name))

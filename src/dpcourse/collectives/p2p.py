@@ -8,10 +8,11 @@ Chapters 5 and 6 build broadcast, reduce and all-reduce out of nothing but ``sen
 * **posts receives before sends** (:func:`exchange`, :func:`irecv`): gloo moves data only once
   the receiver has posted its receive, so "everyone sends, then everyone receives" would
   deadlock on a ring, and a receive posted early spares the sender a round trip to ask for it;
-* sends CUDA tensors GPU to GPU with NCCL; where ranks share a GPU over gloo, whose send and
-  recv take host tensors only, the runtime has torch.distributed's point-to-point functions copy
+* sends CUDA tensors GPU to GPU with NCCL; over gloo, whose send and recv take host tensors
+  only (ranks that share a GPU), the runtime has torch.distributed's point-to-point functions copy
   them through host memory (:mod:`dpcourse.shared_gpu`), for this module and for code that calls
-  ``dist.send`` itself;
+  ``dist.send`` itself, and this module stages its own messages also where torch's
+  ``init_process_group`` started the group without the runtime (CS336's tests do);
 * can be pointed at a **simulated network** instead of torch.distributed
   (:mod:`dpcourse.cost.simulate`), so that the same collective code runs on thousands of virtual
   ranks with links of a chosen latency and bandwidth.
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from dpcourse import shared_gpu
 from dpcourse.stand_in import stand_in
 
 __all__ = [
@@ -190,7 +192,7 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     if (net := _network()) is not None:
         net.wait(_simulated.rank, net.post_send(_simulated.rank, dst, tensor))
         return
-    dist.send(tensor, dst, group)
+    _torch_p2p("send", tensor)(tensor, dst, group)
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
@@ -200,7 +202,7 @@ def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None)
     if (net := _network()) is not None:
         net.wait(_simulated.rank, net.post_recv(_simulated.rank, src, tensor))
         return
-    dist.recv(tensor, src, group)
+    _torch_p2p("recv", tensor)(tensor, src, group)
 
 
 class Handle:
@@ -235,7 +237,7 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
     if (net := _network()) is not None:
         return Handle(ticket=net.post_recv(_simulated.rank, src, tensor))
     # torch's own handle (or the host staging's, dpcourse.shared_gpu): it has wait() too
-    return dist.irecv(tensor, src, group)
+    return _torch_p2p("irecv", tensor)(tensor, src, group)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> Waitable:
@@ -247,7 +249,16 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
     _record("send", dst, tensor)
     if (net := _network()) is not None:
         return Handle(ticket=net.post_send(_simulated.rank, dst, tensor))
-    return dist.isend(tensor, dst, group)
+    return _torch_p2p("isend", tensor)(tensor, dst, group)
+
+
+def _torch_p2p(name: str, tensor: torch.Tensor) -> Callable:
+    """torch.distributed's ``send``, ``recv``, ``isend`` or ``irecv`` for ``tensor``: over gloo, a
+    GPU tensor goes through host memory (:func:`dpcourse.shared_gpu.through_host`), also in a
+    process group that the runtime did not start, which has no staging installed."""
+    if shared_gpu.on_gpu(tensor) and not _on_nccl():
+        return shared_gpu.through_host(name)
+    return getattr(dist, name)
 
 
 def _on_nccl() -> bool:
