@@ -16,8 +16,9 @@ ours                       torch.distributed                    module
 ``ring_all_reduce``        ``dist.all_reduce``                  :mod:`.ring`
 =========================  ===================================  =========================
 
-``ring_all_reduce`` runs as :func:`ring_all_reduce_posted_ahead` (receives posted before the
-first send) wherever the backend allows. Their traffic goes through :mod:`.p2p`, which counts it
+``ring_all_reduce``'s phases send their messages through a link: every receive posted before the
+first send (:class:`~.ring.PostedAhead`) wherever the backend allows, one step at a time
+(:class:`~.ring.StepByStep`) on NCCL. Their traffic goes through :mod:`.p2p`, which counts it
 (:func:`count_traffic`). None of them calls a library collective, not even to check shapes.
 
 Chapter 10's two-level all-reduce (rings inside nodes and across them, on the same ring code),

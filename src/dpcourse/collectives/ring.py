@@ -1,8 +1,8 @@
 """Ring all-reduce from point-to-point messages.
 
 The N ranks stand in a ring; rank r sends only to r+1 and receives only from r-1. The tensor is
-cut into N chunks (:func:`~dpcourse.collectives.ops.chunk_bounds`, any length, even shorter
-than N). Two phases of N-1 steps each:
+cut into N chunks (``flat.tensor_split(N)``: any length, even shorter than N). Two phases of N-1
+steps each, whose chunk indices are :func:`ring_schedule`:
 
 1. **reduce-scatter** (:func:`reduce_scatter_`): at step s, rank r sends chunk (r-s-1) mod N and
    adds the chunk (r-s-2) mod N it receives to its own. After N-1 steps rank r holds chunk r
@@ -14,9 +14,12 @@ than N). Two phases of N-1 steps each:
 Each rank sends (N-1)/N of the data in each phase, 2(N-1)/N in all: for large N about twice the
 data, however many ranks there are. That is why the ring is bandwidth-optimal.
 
-:func:`ring_all_reduce` is those two phases, one step at a time, as drawn. The same ring with
-every receive posted before the first send is :func:`ring_all_reduce_posted_ahead`, the default
-wherever the backend allows it (see its docstring).
+How each step's two messages travel is a seam, the *link* the phases call
+(``link.exchange(send, receive)``). The core's link, :class:`StepByStep`, runs one step at a time,
+as drawn: what NCCL needs. :class:`PostedAhead` is the layer chapter 6 adds where it teaches how
+gloo moves data: every receive posted before the first send, the default wherever the backend
+allows it (:func:`ring_link`). Same messages, same additions in the same order: the same result,
+bit for bit.
 
 Chapter 6: ring all-reduce from point-to-point messages.
 """
@@ -24,6 +27,7 @@ Chapter 6: ring all-reduce from point-to-point messages.
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 import torch
 
@@ -32,17 +36,20 @@ from dpcourse.collectives.p2p import Waitable, exchange, irecv, isend, posts_ahe
 
 __all__ = [
     "ring_schedule",
+    "StepByStep",
+    "PostedAhead",
+    "ring_link",
     "reduce_scatter_",
     "all_gather_",
     "ring_all_reduce",
-    "reduce_scatter_posted_ahead_",
-    "all_gather_posted_ahead_",
     "ring_all_reduce_posted_ahead",
     "ring_reduce_scatter_",
     "ring_all_gather_",
     "ring_reduce_scatter",
     "ring_all_gather",
 ]
+
+PHASES = ("reduce-scatter", "all-gather")
 
 
 def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, int]:
@@ -61,11 +68,12 @@ def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, in
 _buffers = threading.local()  # per thread: the simulator's virtual ranks are threads
 
 
-def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A reusable buffer of at least ``numel`` elements. Allocating a fresh one per call costs
-    more than the add it serves: large allocations are new memory mappings whose pages fault in
-    on first touch (measured 0.25 ms per 512 KiB here)."""
-    key = (like.dtype, like.device)
+def _reused_buffer(numel: int, like: torch.Tensor, purpose: str) -> torch.Tensor:
+    """A buffer of ``numel`` elements kept per thread, dtype, device and ``purpose`` (so that
+    two uses in one call never share memory). Allocating a fresh one per call costs more than
+    the add it serves: large allocations are new memory mappings whose pages fault in on first
+    touch (measured 0.25 ms per 512 KiB here)."""
+    key = (purpose, like.dtype, like.device)
     cache = getattr(_buffers, "cache", None)
     if cache is None:
         cache = _buffers.cache = {}
@@ -75,33 +83,54 @@ def _receive_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
+def _scratch_like(chunk: torch.Tensor) -> torch.Tensor:
+    """Where phase 1 receives a chunk: not into the chunk, which holds this rank's own values."""
+    return _reused_buffer(chunk.numel(), chunk, "incoming")
+
+
 # ------------------------------------------------------------------- the ring, step by step
 # The phases take the chunks as a list of views, ``flat.tensor_split(N)``, cut once per call:
 # at 1 MiB the Python around the messages is a good part of the time.
 
 
-def reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int, group=None) -> None:
-    """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``), one step at
-    a time: afterwards ``chunks[rank]`` is reduced over all ranks (not yet averaged). With a
-    ``group`` (of N ranks), the ring runs in that sub-group and ``rank`` is this rank's in it."""
+class StepByStep:
+    """The core's link: each step posts its receive, sends, and waits for both
+    (:func:`~dpcourse.collectives.p2p.exchange`), the ring as drawn and as NCCL needs it.
+    ``group``: a sub-group of N ranks in which ``rank`` is this rank's (chapter 10)."""
+
+    def __init__(self, rank: int, world: int, group=None) -> None:
+        self.right, self.left, self.group = (rank + 1) % world, (rank - 1) % world, group
+
+    def exchange(self, send: torch.Tensor, receive: torch.Tensor) -> torch.Tensor:
+        """Send ``send`` right while receiving from the left into ``receive``; returns it."""
+        exchange(send, self.right, receive, self.left, self.group)
+        return receive
+
+    def wait_sends(self) -> None:
+        """Nothing left in flight: each step waited for its own send."""
+
+
+def reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int, group=None,
+                    link=None) -> None:
+    """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``): afterwards
+    ``chunks[rank]`` is reduced over all ranks (not yet averaged). ``link``: how the messages
+    travel (:class:`StepByStep` by default; ``group`` is its sub-group)."""
     world = len(chunks)
-    right, left = (rank + 1) % world, (rank - 1) % world
-    incoming = _receive_buffer(chunks[0].numel(), chunks[0])  # chunk 0 is the largest
+    link = link or StepByStep(rank, world, group)
     for step in range(world - 1):
         sent, received = ring_schedule("reduce-scatter", rank, step, world)
-        buf = incoming[: chunks[received].numel()]
-        exchange(chunks[sent], right, buf, left, group)  # send right, receive from the left
-        combine_(chunks[received], buf, op)
+        incoming = link.exchange(chunks[sent], _scratch_like(chunks[received]))
+        combine_(chunks[received], incoming, op)  # the left neighbour's partial sum, added
 
 
-def all_gather_(chunks: list[torch.Tensor], rank: int, group=None) -> None:
-    """Phase 2 in place, one step at a time: rank r starts with ``chunks[r]`` complete and ends
-    with all of them. ``group`` as for :func:`reduce_scatter_`."""
+def all_gather_(chunks: list[torch.Tensor], rank: int, group=None, link=None) -> None:
+    """Phase 2 in place: rank r starts with ``chunks[r]`` complete and ends with all of them.
+    ``group`` and ``link`` as for :func:`reduce_scatter_`."""
     world = len(chunks)
-    right, left = (rank + 1) % world, (rank - 1) % world
+    link = link or StepByStep(rank, world, group)
     for step in range(world - 1):
         sent, received = ring_schedule("all-gather", rank, step, world)
-        exchange(chunks[sent], right, chunks[received], left, group)  # into its chunk
+        link.exchange(chunks[sent], chunks[received])  # a finished chunk, straight into place
 
 
 def ring_all_reduce(
@@ -112,173 +141,107 @@ def ring_all_reduce(
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place with a ring (like ``dist.all_reduce``); returns it.
 
-    Works for any length and world size, for every dtype the backend can send, on CPU and CUDA.
-    ``check_shapes`` first verifies that all ranks passed the same size and dtype (one small
-    message to the right neighbour; benchmarks turn it off). ``post_ahead``: run
-    :func:`ring_all_reduce_posted_ahead` (True) or the ring step by step, as below (False); by
-    default, ahead wherever the backend allows it, which is everywhere but NCCL
-    (:func:`~dpcourse.collectives.p2p.posts_ahead`).
+    Any length and world size, every dtype the backend can send, CPU and CUDA. ``check_shapes``
+    first checks that all ranks passed the same size and dtype (one small message; benchmarks
+    turn it off). ``post_ahead``: the link (:func:`ring_link`); by default receives are posted
+    ahead wherever the backend allows it, which is everywhere but NCCL.
     """
     rank, world = check_input(tensor, op, check_shapes)
-    if _resolve_post_ahead(post_ahead):
-        return ring_all_reduce_posted_ahead(tensor, op, check_shapes=False)  # checked above
     chunks = tensor.view(-1).tensor_split(world)  # views: the ring works in place
-    reduce_scatter_(chunks, op, rank)
+    link = ring_link(chunks, rank, post_ahead)
+    reduce_scatter_(chunks, op, rank, link=link)
     finish_(chunks[rank], op, world)  # each rank averages only the chunk it owns
-    all_gather_(chunks, rank)
+    all_gather_(chunks, rank, link=link)
+    link.wait_sends()
     return tensor
 
 
-def _resolve_post_ahead(post_ahead: bool | None) -> bool:
-    if post_ahead is None:
-        return posts_ahead()
-    if post_ahead and not posts_ahead():
-        raise ValueError(
-            "post_ahead=True cannot run on NCCL: a receive posted long before its data would "
-            "block the CUDA stream that the sends behind it wait on. Leave post_ahead=None."
-        )
-    return post_ahead
-
-
 # ------------------------------------------------------------- the ring, receives posted ahead
-# Step by step (`exchange` per step: post a receive, send, wait for both) is the ring as drawn,
-# and what NCCL needs. With receives posted ahead, every receive of a phase is waiting before
-# the first send, so a neighbour's data is taken in the moment it is sent instead of after a
-# round trip that asks for it, and each chunk is sent on the moment it is ready. That is what
-# "post receives before sends" buys; benchmarks/README.md has what it measured on the course's
-# 2-core machine. Same messages, same additions in the same order: the same result, bit for bit.
+# Step by step, a receive is posted only when its step comes: with gloo, whose sender moves data
+# only once the receiver has posted, each step then pays a round trip to ask for the data. With
+# receives posted ahead, every receive of a phase is waiting before the first send, so a
+# neighbour's data is taken in the moment it is sent, and each chunk is sent on the moment it is
+# ready. benchmarks/README.md has what it measured on the course's 2-core machine. Phase 2's
+# receives land straight in the chunks they fill, which is safe even before phase 1 has begun:
+# a finished chunk comes back only after going once round the ring, long after this rank added
+# into it and sent it on.
 
 
-def _post_reduce_scatter(chunks: list[torch.Tensor], rank: int, group=None) -> list[tuple]:
-    """Post phase 1's receives: (buffer, handle) per step. Each gets a slot of its own in a
-    reused buffer; it cannot land in its chunk, which still holds this rank's own values.
-    ``group``: a sub-group, in which ``rank`` is this rank's (as for :func:`reduce_scatter_`)."""
-    world = len(chunks)
-    sizes = [
-        chunks[ring_schedule("reduce-scatter", rank, step, world)[1]].numel()
-        for step in range(world - 1)
-    ]
-    slots = _receive_buffer(sum(sizes), chunks[0]).split(sizes)
-    return [(slot, irecv(slot, (rank - 1) % world, group)) for slot in slots]
+class PostedAhead:
+    """A link whose receives, all of those of ``phases``, are posted before the first send, in
+    the order the left neighbour sends; ``exchange`` posts its send and waits for the next
+    receive. The default on gloo, MPI and the simulator; a ValueError on NCCL."""
 
+    def __init__(self, chunks: list[torch.Tensor], rank: int, group=None,
+                 phases: tuple[str, ...] = PHASES) -> None:
+        _refuse_on_nccl()
+        world = len(chunks)
+        self.right, self.group = (rank + 1) % world, group
+        self.sends: list[Waitable] = []  # waited for in wait_sends()
+        into: list[torch.Tensor] = []
+        for phase in phases:
+            received = [chunks[ring_schedule(phase, rank, s, world)[1]] for s in range(world - 1)]
+            if phase == "reduce-scatter":  # a slot each: the chunk holds this rank's values
+                sizes = [c.numel() for c in received]
+                received = _reused_buffer(sum(sizes), chunks[0], "posted").split(sizes)
+            into += received  # all-gather: straight into the chunks (safe: see above)
+        self.posted = deque((t, irecv(t, (rank - 1) % world, group)) for t in into)
 
-def _post_all_gather(chunks: list[torch.Tensor], rank: int, group=None) -> list[Waitable]:
-    """Post phase 2's receives, straight into the chunks they fill. Safe even before phase 1:
-    the finished chunk c reaches this rank only after going once round the ring, long after
-    this rank added into c and sent it on."""
-    world = len(chunks)
-    return [
-        irecv(chunks[ring_schedule("all-gather", rank, step, world)[1]], (rank - 1) % world,
-              group)
-        for step in range(world - 1)
-    ]
-
-
-def _wait_all(handles: list[Waitable]) -> None:
-    for handle in handles:
+    def exchange(self, send: torch.Tensor, receive: torch.Tensor) -> torch.Tensor:
+        self.sends.append(isend(send, self.right, self.group))
+        landed, handle = self.posted.popleft()  # a slot in phase 1, ``receive`` in phase 2
         handle.wait()
+        return landed
+
+    def wait_sends(self) -> None:
+        for handle in self.sends:
+            handle.wait()
+        self.sends.clear()
 
 
-def reduce_scatter_posted_ahead_(
-    chunks: list[torch.Tensor],
-    op: str,
-    rank: int,
-    posted: list[tuple] | None = None,
-    sends: list[Waitable] | None = None,
-    group=None,
-) -> None:
-    """:func:`reduce_scatter_` with every receive posted before the first send. ``posted``:
-    this phase's receives, if the caller posted them already; ``sends``: a list to leave the
-    sends in, for the caller to wait for (otherwise they are waited for here); ``group`` as
-    for :func:`reduce_scatter_`. Not on NCCL."""
-    world = len(chunks)
-    if world == 1:
-        return
-    right = (rank + 1) % world
-    posted = posted if posted is not None else _post_reduce_scatter(chunks, rank, group)
-    mine = [] if sends is None else sends
-    mine.append(isend(chunks[ring_schedule("reduce-scatter", rank, 0, world)[0]], right, group))
-    for step, (buf, receive) in enumerate(posted):
-        received = ring_schedule("reduce-scatter", rank, step, world)[1]
-        receive.wait()
-        combine_(chunks[received], buf, op)
-        if step < world - 2:  # the chunk just added to is the one to send at the next step
-            mine.append(isend(chunks[received], right, group))
-    if sends is None:
-        _wait_all(mine)
+def _refuse_on_nccl() -> None:
+    if not posts_ahead():
+        raise ValueError("receives posted ahead cannot run on NCCL: a receive posted long "
+                         "before its data would block the CUDA stream that the sends behind it "
+                         "wait on. Leave post_ahead=None.")
 
 
-def all_gather_posted_ahead_(
-    chunks: list[torch.Tensor],
-    rank: int,
-    posted: list[Waitable] | None = None,
-    sends: list[Waitable] | None = None,
-    group=None,
-) -> None:
-    """:func:`all_gather_` with every receive posted before the first send; ``posted``,
-    ``sends`` and ``group`` as for :func:`reduce_scatter_posted_ahead_`. Not on NCCL."""
-    world = len(chunks)
-    if world == 1:
-        return
-    right = (rank + 1) % world
-    posted = posted if posted is not None else _post_all_gather(chunks, rank, group)
-    mine = [] if sends is None else sends
-    mine.append(isend(chunks[rank], right, group))
-    for step, receive in enumerate(posted):
-        receive.wait()
-        if step < world - 2:  # pass the chunk just received on to the right
-            mine.append(isend(chunks[ring_schedule("all-gather", rank, step, world)[1]], right,
-                              group))
-    if sends is None:
-        _wait_all(mine)
+def ring_link(chunks: list[torch.Tensor], rank: int, post_ahead: bool | None = None,
+              group=None, phases: tuple[str, ...] = PHASES) -> StepByStep | PostedAhead:
+    """The link for a ring on ``chunks``: :class:`PostedAhead` where the backend allows it (gloo,
+    MPI, the simulated network) or ``post_ahead=True`` asks for it (a ValueError on NCCL),
+    :class:`StepByStep` on NCCL or with ``post_ahead=False``."""
+    if post_ahead is None:
+        post_ahead = posts_ahead()
+    if post_ahead:
+        return PostedAhead(chunks, rank, group, phases)
+    return StepByStep(rank, len(chunks), group)
 
 
 def ring_all_reduce_posted_ahead(
     tensor: torch.Tensor, op: str = "sum", check_shapes: bool = True
 ) -> torch.Tensor:
-    """:func:`ring_all_reduce` with the receives of both phases posted before the first send.
-
-    A posted receive waits in the background while this rank goes on sending and adding: the
-    data a neighbour sends is taken in at once, and each reduced chunk is sent on the moment it
-    is ready. Only where the backend allows it (gloo, MPI, the simulator; not NCCL, where a
-    receive posted early would block the CUDA stream; a ValueError there).
-    """
-    rank, world = check_input(tensor, op, check_shapes)
-    _resolve_post_ahead(True)
-    if world == 1:
-        return tensor
-    chunks = tensor.view(-1).tensor_split(world)
-    # Every receive of both phases, in the order the left neighbour sends: phase 1's first.
-    scatter = _post_reduce_scatter(chunks, rank)
-    gather = _post_all_gather(chunks, rank)
-    sends: list[Waitable] = []
-    reduce_scatter_posted_ahead_(chunks, op, rank, scatter, sends)
-    finish_(chunks[rank], op, world)
-    all_gather_posted_ahead_(chunks, rank, gather, sends)
-    _wait_all(sends)
-    return tensor
+    """:func:`ring_all_reduce` with the receives of both phases posted before the first send
+    (:class:`PostedAhead`); a ValueError on NCCL."""
+    return ring_all_reduce(tensor, op, check_shapes, post_ahead=True)
 
 
 # ------------------------------------------------------------- the phases as collectives
 def ring_reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int, group=None) -> None:
-    """Phase 1 in place on the chunks, the fastest way this backend allows: receives posted
-    ahead where :func:`~dpcourse.collectives.p2p.posts_ahead`, else step by step. Chapter 9's
-    ``ShardedOptimizer`` reduce-scatters its gradients with it. ``group``: a sub-group of
-    ``len(chunks)`` ranks in which ``rank`` is this rank's (chapter 11's hybrid sharding runs
-    the ring inside a node)."""
-    if posts_ahead():
-        reduce_scatter_posted_ahead_(chunks, op, rank, group=group)
-    else:
-        reduce_scatter_(chunks, op, rank, group)
+    """Phase 1 in place on the chunks, on the fastest link this backend allows
+    (:func:`ring_link`). Chapter 9's ``ShardedOptimizer`` reduce-scatters its gradients with it.
+    ``group``: a sub-group of ``len(chunks)`` ranks in which ``rank`` is this rank's (chapter
+    11's hybrid sharding runs the ring inside a node)."""
+    link = ring_link(chunks, rank, group=group, phases=("reduce-scatter",))
+    reduce_scatter_(chunks, op, rank, link=link)
+    link.wait_sends()
 
 
 def ring_all_gather_(chunks: list[torch.Tensor], rank: int, group=None) -> None:
-    """Phase 2 in place on the chunks, as :func:`ring_reduce_scatter_` chooses; ``group`` as
-    there."""
-    if posts_ahead():
-        all_gather_posted_ahead_(chunks, rank, group=group)
-    else:
-        all_gather_(chunks, rank, group)
+    """Phase 2 in place on the chunks, as :func:`ring_reduce_scatter_` runs phase 1."""
+    link = ring_link(chunks, rank, group=group, phases=("all-gather",))
+    all_gather_(chunks, rank, link=link)
+    link.wait_sends()
 
 
 def ring_reduce_scatter(

@@ -8,11 +8,10 @@ asynchronous all-reduce per full bucket, in bucket order. :class:`dpcourse.ddp.d
 from autograd hooks. The split follows picotron's ``data_parallel.py`` / ``bucket.py``; the
 names follow PyTorch's DDP design note.
 
-A parameter without a gradient on this rank takes part in its bucket's all-reduce as zeros. With
-``find_unused=True`` (torch's ``find_unused_parameters=True``) the reducer also all-reduces which
-parameters each rank used, and gives a parameter that no rank used its gradient back as it was
-(``None`` after ``zero_grad()``), so that the optimizer skips it as torch's DDP lets it; without
-it such a gradient is zeros, which plain SGD ignores but momentum, Adam or weight decay do not.
+A parameter without a gradient on this rank takes part in its bucket's all-reduce as zeros, which
+plain SGD ignores but momentum, Adam or weight decay do not. torch's
+``find_unused_parameters=True``, which gives a parameter that no rank used its gradient back as it
+was, is a layer on this reducer: :class:`dpcourse.ddp.unused.KeepUnused`.
 
 What is not here: torch's smaller first bucket (1 MiB, so that communication starts early), the
 bucket order rebuilt after the first step from the order gradients arrived in. Communication hooks
@@ -145,11 +144,8 @@ class BucketManager:
     pair its bucket 1 with another rank's bucket 0.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: float, world_size: int,
-                 find_unused: bool = False) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: float, world_size: int) -> None:
         self.world_size = world_size
-        self.find_unused = find_unused
-        self.accumulated: set[nn.Parameter] = set()  # got a gradient inside no_sync()
         self.buckets: list[Bucket] = []
         self.where: dict[nn.Parameter, tuple[Bucket, int]] = {}
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -168,28 +164,18 @@ class BucketManager:
                     self.where[p] = (bucket, k)
                     p.grad = bucket.views[k] if p.grad is None else p.grad
         self.next_to_launch = 0
-        self.ready_in_backward = 0  # gradients marked ready since the last finish()
 
     def mark_ready(self, param: nn.Parameter, launch: bool) -> None:
         """``param``'s gradient is complete: move it into its bucket, and if ``launch``,
         start every bucket that is now full and next in line."""
         bucket, k = self.where[param]
-        if bucket.ready[k]:
-            raise RuntimeError(
-                "a parameter received its gradient twice before finish_gradient_synchronization()"
-                ": call backward once per step, or accumulate inside ddp.no_sync() and call "
-                "finish_gradient_synchronization() after the last backward"
-            )
         bucket.ready[k] = True
         bucket.take_gradient(k)
         bucket.pending -= 1
-        self.ready_in_backward += 1
-        if launch:
-            while (
-                self.next_to_launch < len(self.buckets)
-                and self.buckets[self.next_to_launch].pending == 0
-            ):
-                self.launch(self.buckets[self.next_to_launch])
+        while launch and self.next_to_launch < len(self.buckets):
+            if self.buckets[self.next_to_launch].pending:
+                return  # the next bucket in line still waits for a gradient
+            self.launch(self.buckets[self.next_to_launch])
 
     def launch(self, bucket: Bucket) -> None:
         """Average ``bucket``'s gradients across the ranks: one asynchronous all-reduce."""
@@ -198,41 +184,17 @@ class BucketManager:
         self.next_to_launch = bucket.index + 1
 
     def finish(self) -> None:
-        """Launch the buckets still waiting (missing gradients count as zeros), wait for all,
-        and reset for the next step. With ``find_unused``, then keep the gradients of the
-        parameters that no rank used as they were (:meth:`_keep_unused`)."""
-        used = ({p: b.ready[k] or p in self.accumulated for p, (b, k) in self.where.items()}
-                if self.find_unused else {})
-        before = {p: None if p.grad is None else p.grad.clone() for p, u in used.items() if not u}
+        """Launch the buckets still waiting (a missing gradient counts as zeros), wait for every
+        all-reduce, and start afresh for the next step."""
         for bucket in self.buckets[self.next_to_launch :]:
             for k, ready in enumerate(bucket.ready):
                 if not ready:
-                    bucket.take_gradient(k)
+                    bucket.take_gradient(k)  # zeros, or what no_sync() accumulated
             self.launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.reset()
         self.next_to_launch = 0
-        self.ready_in_backward = 0
-        self.accumulated.clear()
-        if self.find_unused:
-            self._keep_unused(list(used.values()), before)
-
-    def _keep_unused(self, used: list[bool], before: dict) -> None:
-        """All-reduce which parameters each rank used (one int32 each, as torch's DDP does);
-        where no rank used one, put back the gradient it had before the zeros stood in for it
-        (``before``: this rank's unused ones). Read on the host only where this rank has some."""
-        device = self.buckets[0].buffer.device
-        counts = torch.tensor(used, dtype=torch.int32, device=device)
-        dist.all_reduce(counts)
-        if not before:
-            return
-        for p, count in zip(self.where, counts.tolist(), strict=True):
-            if count == 0 and p in before:
-                if before[p] is None:
-                    p.grad = None
-                else:
-                    p.grad.copy_(before[p])
 
 
 class HookedBucketManager(BucketManager):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["check_process_group", "check_module", "check_same_model_on_every_rank",
-           "check_torch_options"]
+           "check_torch_options", "check_bucket_cap"]
 
 # torch's DistributedDataParallel arguments that have no meaning for the course's DDP
 TORCH_ONLY = {
@@ -108,3 +108,15 @@ def check_torch_options(device: torch.device, device_ids, output_device, dim: in
     if process_group not in (None, dist.group.WORLD):
         raise ValueError("process_group: the course's DDP runs on the default process group; "
                          "pass None")
+
+
+def check_bucket_cap(bucket_cap_mb: float | None) -> float:
+    """``bucket_cap_mb`` as a number of MiB, 0 or more; None is torch's default, 25."""
+    if bucket_cap_mb is None:
+        return 25.0
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise TypeError(f"bucket_cap_mb must be a number of MiB (or None: 25), got "
+                        f"{bucket_cap_mb!r}")
+    if not bucket_cap_mb >= 0:
+        raise ValueError(f"bucket_cap_mb must be 0 or more, got {bucket_cap_mb}")
+    return bucket_cap_mb

@@ -7,9 +7,13 @@
 3. :class:`PerParameterDDP`: the same all-reduces, launched asynchronously (``async_op=True``)
    from autograd hooks (``register_post_accumulate_grad_hook``) while backward is still running,
    and waited for in :meth:`~PerParameterDDP.finish_gradient_synchronization`.
-4. :class:`DDP`: gradients grouped into buckets of about ``bucket_cap_mb``, one asynchronous
-   all-reduce per bucket as soon as it is full (the buckets and the reducer,
+4. :class:`BucketedDDP`: gradients grouped into buckets of about ``bucket_cap_mb``, one
+   asynchronous all-reduce per bucket as soon as it is full (the buckets and the reducer,
    :class:`~dpcourse.ddp.buckets.BucketManager`, are in :mod:`dpcourse.ddp.buckets`).
+
+:class:`DDP` is step 4 as torch's drop-in class: the core, plus the layers torch's DDP has (the
+synchronisation finished by the end of backward, torch's arguments and their checks, unused
+parameters as :mod:`dpcourse.ddp.unused` keeps them).
 
 :func:`wrap` makes any of them (or torch's DDP) from its name. Each step is tested against
 single-process training and torch's DDP (``tests/test_ddp.py``) and timed by ``python -m
@@ -30,14 +34,16 @@ from torch.autograd import Variable
 
 from dpcourse.ddp.buckets import MB, Bucket, BucketManager, HookedBucketManager
 from dpcourse.ddp.checks import (
+    check_bucket_cap,
     check_module,
     check_process_group,
     check_same_model_on_every_rank,
     check_torch_options,
 )
+from dpcourse.ddp.unused import HookedKeepUnused, KeepUnused
 
 __all__ = ["broadcast_parameters", "broadcast_buffers", "all_reduce_gradients",
-           "PerParameterDDP", "DDP", "VARIANTS", "wrap"]
+           "PerParameterDDP", "BucketedDDP", "DDP", "VARIANTS", "wrap"]
 
 
 # ------------------------------------------------------------------------------- step 1
@@ -137,40 +143,100 @@ class PerParameterDDP(nn.Module):
 
 
 # ------------------------------------------------------------------------------- step 4
-class DDP(nn.Module):
-    """DistributedDataParallel from scratch (chapter 7, step 4): bucketed, overlapped.
+class BucketedDDP(nn.Module):
+    """Step 4, the core: gradients in buckets, each all-reduced as soon as it is full.
 
-    ``DDP(module)`` broadcasts rank 0's parameters and buffers, then puts the gradients of the
-    parameters that require one into buckets of ``bucket_cap_mb`` MiB (reverse registration
-    order; a bucket closes once it reaches the cap, as torch's do; ``0`` gives one bucket per
-    parameter, ``None`` torch's default of 25).
-    During backward a hook per parameter moves its gradient into its bucket; with
-    ``overlap=True`` a full bucket's all-reduce starts at once, asynchronously, while backward
-    goes on; with ``overlap=False`` every bucket is sent after backward. Gradients are averaged
-    over the ranks.
+    ``BucketedDDP(module)`` makes every rank start from rank 0's parameters (``start``, step 1),
+    puts the gradients of the parameters that require one into buckets of ``bucket_cap_mb``
+    MiB (:class:`~dpcourse.ddp.buckets.BucketManager`, the ``reducer``), and registers a hook per
+    parameter that hands its finished gradient to the reducer. With ``overlap=True`` a full
+    bucket's all-reduce starts at once, while backward goes on; with ``overlap=False`` every
+    bucket leaves in :meth:`finish_gradient_synchronization`, which the training loop calls
+    after ``backward`` and before ``optimizer.step()``. With ``broadcast_buffers`` rank 0's
+    buffers are broadcast before every forward; inside ``no_sync()`` gradients only accumulate.
+    Chapter 7, step 4. :class:`DDP` is torch's drop-in class on top of it.
+    """
 
-    A training step::
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_cap_mb: float = 25.0,
+        *,
+        overlap: bool = True,
+        broadcast_buffers: bool = True,
+        start: Callable[[nn.Module], None] = broadcast_parameters,
+        reducer: type[BucketManager] = BucketManager,
+    ) -> None:
+        super().__init__()
+        self.module, self.overlap, self.world_size = module, overlap, dist.get_world_size()
+        self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
+        start(module)  # step 1: the same parameters and buffers on every rank
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.reducer = reducer(params, bucket_cap_mb * MB, self.world_size)
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.reducer.buckets
+
+    def _hook(self, param: nn.Parameter) -> None:
+        if self.require_backward_grad_sync:  # inside no_sync() the gradient stays here
+            self.reducer.mark_ready(param, launch=self.overlap)
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.world_size > 1:
+            broadcast_buffers(self.module)
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Launch the buckets not launched during backward (zeros for the gradients that never
+        came), and wait until every gradient is averaged over the ranks."""
+        self.reducer.finish()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients on this rank (gradient
+        accumulation); the first backward outside synchronises the sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+
+def _keep_own_parameters(module: nn.Module) -> None:
+    """torch's ``init_sync=False``: every rank keeps the parameters it has."""
+
+
+class DDP(BucketedDDP):
+    """DistributedDataParallel from scratch, drop-in for torch's: :class:`BucketedDDP` and the
+    layers a torch training loop expects of it.
+
+    A training step, as with torch's DDP::
 
         loss = loss_fn(ddp(x), y)
         loss.backward()      # ends by waiting for the all-reduces (as in torch's DDP)
         optimizer.step()
 
-    ``forward`` passes through to ``module`` (``ddp.module``; its ``state_dict`` is unchanged).
-    With ``broadcast_buffers=True``, as in torch's DDP, rank 0's buffers are broadcast before
-    every forward. Inside ``with ddp.no_sync():`` backward only accumulates local gradients.
-    The module must be on one device (``dpcourse.runtime.device()``) and a process group must
-    be initialised (``dpcourse.harness.launch.run_ranks`` or torchrun).
-
-    The arguments are torch's, in torch's order, so that ``DDP(model, device_ids=[i])`` runs
-    unchanged (``overlap``, keyword-only, is the course's own). Where they mean something here
-    they act as in torch: ``init_sync=False`` skips the first broadcast, ``device_ids`` and
-    ``output_device`` must name the module's device, ``dim`` must be 0 and ``process_group``
-    the default group, and ``find_unused_parameters=True`` leaves a parameter that no rank used
-    with the gradient it had (``None`` after ``zero_grad()``: the optimizer skips it), where by
-    default it is averaged as zeros (torch's DDP stops with an error instead). Two are accepted
-    with one behaviour only: gradients are always views of the buckets
-    (``gradient_as_bucket_view=True`` in torch's words), and the buckets are never rebuilt
-    (``static_graph``). Any other argument is refused, by name.
+    What it adds to the core: the gradients are averaged by the end of every backward outside
+    ``no_sync()`` (a callback queued on the autograd engine, as torch's DDP does), so calling
+    :meth:`finish_gradient_synchronization` is optional, and calling it again does nothing; a
+    misuse (a forward after a backward that did not finish, a finish inside ``no_sync()``) is an
+    error that says what to do; and torch's arguments, in torch's order, so that
+    ``DDP(model, device_ids=[i])`` runs unchanged (``overlap``, keyword-only, is the course's
+    own). Where they mean something here they act as in torch: ``bucket_cap_mb=None`` is 25,
+    ``init_sync=False`` skips the first broadcast, ``device_ids`` and ``output_device`` must
+    name the module's device, ``dim`` must be 0 and ``process_group`` the default group, and
+    ``find_unused_parameters=True`` leaves a parameter that no rank used with the gradient it
+    had (:class:`~dpcourse.ddp.unused.KeepUnused`), where by default it is averaged as zeros
+    (torch's DDP stops with an error instead). Two are accepted with one behaviour only:
+    gradients are always views of the buckets (``gradient_as_bucket_view=True`` in torch's
+    words), and the buckets are never rebuilt (``static_graph``). Any other argument is
+    refused, by name. The module must be on one device (``dpcourse.runtime.device()``), every
+    rank must wrap the same model, and a process group must be initialised
+    (``dpcourse.harness.launch.run_ranks`` or torchrun).
     """
 
     def __init__(
@@ -191,47 +257,26 @@ class DDP(nn.Module):
         overlap: bool = True,
         **unsupported: object,
     ) -> None:
-        super().__init__()
-        if bucket_cap_mb is None:  # as torch's DDP: its default cap
-            bucket_cap_mb = 25.0
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-            raise TypeError(f"bucket_cap_mb must be a number of MiB (or None: 25), got "
-                            f"{bucket_cap_mb!r}")
-        if not bucket_cap_mb >= 0:
-            raise ValueError(f"bucket_cap_mb must be 0 or more, got {bucket_cap_mb}")
+        bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
         device = check_module(module, "DDP")
         check_process_group("DDP")
         check_torch_options(device, device_ids, output_device, dim, process_group, unsupported)
-        self.module = module
-        self.overlap = overlap
-        self.broadcast_buffers = broadcast_buffers and any(True for _ in module.buffers())
-        self.world_size = dist.get_world_size()
         check_same_model_on_every_rank(module, device)
-        params = [p for p in module.parameters() if p.requires_grad]
-        if init_sync:
-            broadcast_parameters(module)
-        self.reducer = BucketManager(params, bucket_cap_mb * MB, self.world_size,
-                                     find_unused=find_unused_parameters)
-        self.require_backward_grad_sync = True
+        super().__init__(
+            module, bucket_cap_mb, overlap=overlap, broadcast_buffers=broadcast_buffers,
+            start=broadcast_parameters if init_sync else _keep_own_parameters,
+            reducer=KeepUnused if find_unused_parameters else BucketManager,
+        )
         self._finish_queued = False  # a callback waits for the end of this backward
         self._synchronised = False  # the last backward's gradients are averaged already
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
-
-    @property
-    def buckets(self) -> list[Bucket]:
-        return self.reducer.buckets
 
     def _hook(self, param: nn.Parameter) -> None:
-        if self.require_backward_grad_sync:
-            if not self._finish_queued:
-                # As torch's DDP does: have the autograd engine finish the synchronisation once
-                # this backward is over, so that `loss.backward(); optimizer.step()` is right.
-                Variable._execution_engine.queue_callback(self.finish_at_end_of_backward)
-                self._finish_queued = True
-                self._synchronised = False
-            self.reducer.mark_ready(param, launch=self.overlap)
-        else:  # a gradient kept on this rank (no_sync): the parameter was used
-            self.reducer.accumulated.add(param)
+        if self.require_backward_grad_sync and not self._finish_queued:
+            # As torch's DDP does: have the autograd engine finish the synchronisation once
+            # this backward is over, so that `loss.backward(); optimizer.step()` is right.
+            Variable._execution_engine.queue_callback(self.finish_at_end_of_backward)
+            self._finish_queued, self._synchronised = True, False
+        super()._hook(param)
 
     def finish_at_end_of_backward(self) -> None:
         """What the autograd engine calls once backward is done: the reducer finishes."""
@@ -240,18 +285,16 @@ class DDP(nn.Module):
         self._synchronised = True
 
     def forward(self, *args, **kwargs):
-        if self.reducer.ready_in_backward:
+        if self._finish_queued:  # a backward began synchronising and never reached its end
             raise RuntimeError(
                 "forward was called again after a backward whose gradients were not "
                 "synchronised: call ddp.finish_gradient_synchronization() after backward and "
                 "before optimizer.step() (or run the backward inside ddp.no_sync())"
             )
-        if self.broadcast_buffers and self.world_size > 1:
-            broadcast_buffers(self.module)
         # a new step: a rank whose backward then reaches none of the parameters (no hook, no
         # callback) must still join the all-reduces in finish_gradient_synchronization()
         self._synchronised = False
-        return self.module(*args, **kwargs)
+        return super().forward(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait until every gradient is averaged over the ranks. Buckets not launched during
@@ -269,7 +312,8 @@ class DDP(nn.Module):
                 "outside no_sync()."
             )
         if not self._synchronised:
-            self.reducer.finish()
+            self._finish_queued = False
+            super().finish_gradient_synchronization()
             self._synchronised = True
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
@@ -280,18 +324,8 @@ class DDP(nn.Module):
         divides by the world size). Chapter 12's compression hooks run here and on torch's."""
         if isinstance(self.reducer, HookedBucketManager):
             raise RuntimeError("register_comm_hook can be called once, as in torch's DDP")
-        self.reducer = HookedBucketManager(self.reducer, hook, state)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate gradients on this rank (gradient
-        accumulation); the first backward outside synchronises the sum."""
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
+        hooked = HookedKeepUnused if isinstance(self.reducer, KeepUnused) else HookedBucketManager
+        self.reducer = hooked(self.reducer, hook, state)
 
 
 # ------------------------------------------------------------------------------ variants
