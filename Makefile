@@ -139,6 +139,7 @@ autograder: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests chapters
+	$(BIN)/lint-imports --no-cache
 
 unit: $(STAMP)
 	$(OMP) $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)

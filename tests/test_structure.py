@@ -1,20 +1,24 @@
 """The package reads as the book: folders per part, lessons apart from the machinery, one map.
 
-(a) every module names its chapter on the last line of its docstring (``Chapter 7: ...``;
-chapter 0 is the course-wide runtime and machinery; ``Appendix: ...`` for the appendices, which
-come after every chapter); (b) no lesson module imports a module of a
-later chapter; (c) lesson code (everything outside ``dpcourse.harness``) never imports the
-machinery that runs and checks the course; (d) imports sit at the top of a module, except where
-a comment on the line (or the line above) says ``import here: <why>`` (a cycle, an optional
-dependency, a later chapter loaded only when asked for); (e) no private name (``_x``) crosses a
-module border; (f) CONTRIBUTING.md's map is the one ``python -m dpcourse.harness.package_map``
-writes from the docstrings. Each checker is also shown failing on a made-up violation, so that
-none of these tests can pass by seeing nothing.
+Two rules are import-linter contracts in pyproject.toml (``lint-imports``, run by ``make lint``):
+lesson code (everything outside ``dpcourse.harness``) never imports the machinery, and no lesson
+module imports a later chapter's, even through another module. One is ruff's: imports sit at the
+top of a module (PLC0415). This file checks what those tools cannot say: (a) every module names
+its chapter on the last line of its docstring (``Chapter 7: ...``; chapter 0 is the course-wide
+runtime and machinery; ``Appendix: ...`` for the appendices, which come after every chapter);
+(b) the contract's layers are those chapters, and the few package ``__init__`` modules that cannot
+be a layer of their own (their modules belong to several chapters) import no later chapter;
+(c) an import that must stay inside a function says why (``# import here: <why>``); (d) no
+private name (``_x``) crosses a module border; (e) CONTRIBUTING.md's map is the one ``python -m
+dpcourse.harness.package_map`` writes from the docstrings; and that the contracts hold, here too.
+Each checker is also shown failing on a made-up violation, so that none of these tests can pass
+by seeing nothing.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import re
 from pathlib import Path
 
@@ -22,7 +26,18 @@ import pytest
 
 from dpcourse.harness import package_map
 
+try:  # the course's dev requirement; a GPU image without it skips the contracts' tests
+    import grimp
+    from importlinter.api import read_configuration
+    from importlinter.contracts.layers import LayersContract
+    from importlinter.contracts.protected import ProtectedContract
+except ImportError:
+    grimp = None
+needs_linter = pytest.mark.skipif(grimp is None, reason="import-linter is not installed "
+                                  "(requirements.txt has it): pip install import-linter==2.16")
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "dpcourse"
+PYPROJECT = PACKAGE.parents[1] / "pyproject.toml"
 CHAPTER = re.compile(r"^(?:Chapter (\d+)|Appendix)\b")
 APPENDIX = 99  # the appendices (the lab, the bug hunt) come after every chapter
 HARNESS = "dpcourse.harness"
@@ -91,27 +106,22 @@ def imported_modules(
     return found
 
 
-def machinery_imports(name: str, source: str) -> list[str]:
-    """The imports of the machinery (``dpcourse.harness``) in lesson module ``name``'s source."""
-    if not is_lesson(name):
-        return []
-    return sorted(t for t in imported_modules(name, source) if not is_lesson(t) and t != "dpcourse")
-
-
-def imports_inside_functions(source: str) -> list[int]:
-    """Line numbers of imports inside function bodies without an ``import here:`` reason."""
+def reasonless_inner_imports(source: str) -> list[int]:
+    """Line numbers of imports that ruff lets stay inside a function (``# noqa: PLC0415``)
+    without an ``# import here: <why>`` comment on their line or in the comments and imports
+    just above them."""
     lines = source.splitlines()
     bad = []
-    for fn in ast.walk(ast.parse(source)):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    for i, line in enumerate(lines):
+        if "noqa: PLC0415" not in line:
             continue
-        for node in ast.walk(fn):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                here = lines[node.lineno - 1]
-                above = lines[node.lineno - 2] if node.lineno > 1 else ""
-                if IMPORT_HERE not in here and IMPORT_HERE not in above:
-                    bad.append(node.lineno)
-    return sorted(set(bad))
+        j = i
+        while IMPORT_HERE not in lines[j] and j > 0 and re.match(
+                r"\s*(#|from |import )", lines[j - 1]):
+            j -= 1
+        if IMPORT_HERE not in lines[j]:
+            bad.append(i + 1)
+    return bad
 
 
 def private_names_crossing(name: str, source: str, modules: dict | None = None) -> list[str]:
@@ -157,38 +167,93 @@ def test_every_module_names_its_chapter():
     )
 
 
-def test_no_lesson_imports_a_later_chapter():
+def contracts() -> list:
+    """pyproject.toml's import-linter contracts, as import-linter checks them."""
+    config = read_configuration(str(PYPROJECT))
+    kinds = {"layers": LayersContract, "protected": ProtectedContract}
+    return [kinds[options["type"]](options["name"], config["session_options"], options)
+            for options in config["contracts_options"]]
+
+
+def broken_contracts(graph) -> list[str]:
+    return [c.name for c in contracts() if not c.check(copy.deepcopy(graph), verbose=False).kept]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return grimp.build_graph("dpcourse", cache_dir=None)
+
+
+@needs_linter
+def test_the_package_keeps_its_import_contracts(graph):
+    assert {c.type_name for c in contracts()} == {"layers", "protected"}
+    assert not broken_contracts(graph), "run `lint-imports` (make lint) to see where"
+
+
+def layers_of_chapters(layers: list | None = None) -> list[tuple[int, list[str]]]:
+    """The layers contract's layers (or ``layers``), top first: (their chapter, the modules they
+    name), the chapter read from the docstrings, one chapter per layer or a ValueError."""
+    if layers is None:
+        layers = next(c for c in contracts() if c.type_name == "layers").layers
+    out = []
+    for layer in layers:
+        names = sorted(tail.name for tail in layer.module_tails)
+        chapters = {chapter_of(MODULES[n].read_text()) for n in names if n in MODULES}
+        if len(chapters) != 1 or len(names) != len([n for n in names if n in MODULES]):
+            raise ValueError(f"a layer names modules of chapters {sorted(chapters)} (or modules "
+                             f"that are not): {names}")
+        out.append((chapters.pop(), names))
+    return out
+
+
+def split_packages() -> set[str]:
+    """Lesson packages whose modules belong to several chapters: their ``__init__`` cannot be a
+    layer of the contract (a layer is a module and everything under it)."""
     chapters = {name: chapter_of(path.read_text()) for name, path in MODULES.items()}
-    broken = []
+    return {name for name, path in MODULES.items()
+            if path.name == "__init__.py" and is_lesson(name)
+            and {chapters[n] for n in MODULES if n.startswith(name + ".")} != {chapters[name]}}
+
+
+@needs_linter
+def test_the_contracts_layers_are_the_chapters():
+    layers, split = layers_of_chapters(), split_packages()
+    order = [chapter for chapter, _ in layers]
+    assert order == sorted(set(order), reverse=True), f"layers not latest chapter first: {order}"
+    listed = {name: chapter for chapter, names in layers for name in names}
+    unlisted = []
     for name, path in MODULES.items():
-        mine = chapters[name]
-        if not is_lesson(name) or mine is None:
+        if not is_lesson(name) or name in split:
             continue
-        for target in sorted(imported_modules(name, path.read_text(), declared=False)):
-            theirs = chapters.get(target)
-            if theirs is not None and theirs > mine and is_lesson(target):
-                broken.append(f"{name} (chapter {mine}) imports {target} (chapter {theirs})")
-    assert not broken, "lesson modules import a later chapter's module:\n  " + "\n  ".join(broken)
+        covering = [m for m in listed if name == m or name.startswith(m + ".")]
+        if not covering:
+            unlisted.append(f"{name} (chapter {chapter_of(path.read_text())})")
+        elif listed[covering[0]] != chapter_of(path.read_text()):
+            unlisted.append(f"{name}: its docstring says chapter {chapter_of(path.read_text())}, "
+                            f"its layer in pyproject.toml chapter {listed[covering[0]]}")
+    assert not unlisted, (
+        "pyproject.toml's layers contract ([tool.importlinter]) must name every lesson module in "
+        "its chapter's layer:\n  " + "\n  ".join(unlisted))
 
 
-def test_lesson_code_never_imports_the_machinery():
-    broken = [f"{name} imports {', '.join(found)}" for name, path in MODULES.items()
-              if (found := machinery_imports(name, path.read_text()))]
-    assert not broken, (
-        "lesson code imports dpcourse.harness (the launcher, cluster, audit, checks): move the "
-        "code that needs it into the harness, or pass what it needs in:\n  " + "\n  ".join(broken)
-    )
+def test_split_packages_import_no_later_chapter():
+    assert "dpcourse.collectives" in split_packages()
+    chapters = {name: chapter_of(path.read_text()) for name, path in MODULES.items()}
+    broken = [f"{name} (chapter {chapters[name]}) imports {target} (chapter {chapters[target]})"
+              for name in sorted(split_packages())
+              for target in imported_modules(name, MODULES[name].read_text())
+              if chapters.get(target) is not None and chapters[target] > chapters[name]]
+    assert not broken, "a package's __init__ imports a later chapter's module:\n  " + (
+        "\n  ".join(broken))
 
 
-def test_imports_sit_at_the_top_of_each_module():
+def test_imports_inside_functions_say_why():
     broken = [f"{path.relative_to(PACKAGE.parents[1])}: line(s) {lines}"
-              for path in MODULES.values()
-              if (lines := imports_inside_functions(path.read_text()))]
+              for path in MODULES.values() if (lines := reasonless_inner_imports(path.read_text()))]
     assert not broken, (
-        "imports inside functions hide what a module depends on: move them to the top, or say "
-        f"why they must stay with a comment '# {IMPORT_HERE} <a cycle, an optional dependency, "
-        "...>':\n  " + "\n  ".join(broken)
-    )
+        "an import that stays inside a function (ruff's noqa: PLC0415) says why on a comment "
+        f"above it, '# {IMPORT_HERE} <a cycle, an optional dependency, ...>':\n  "
+        + "\n  ".join(broken))
 
 
 def test_no_private_name_crosses_a_module_border():
@@ -218,22 +283,38 @@ FAKE = {"dpcourse.ddp.ddp": Path("ddp.py"), "dpcourse.harness.launch": Path("__i
         "dpcourse.runtime": Path("runtime.py"), "dpcourse.ddp": Path("__init__.py")}
 
 
-@pytest.mark.parametrize("source", [
-    "from dpcourse.harness.launch import run_ranks\n",
-    "def f():\n    from dpcourse.harness import launch  # import here: a cycle\n",
-    "import dpcourse.harness.launch\n",
+@needs_linter
+@pytest.mark.parametrize("importer,imported,broken", [
+    # lesson code importing the machinery
+    ("dpcourse.ddp.ddp", "dpcourse.harness.launch", "machinery"),
+    # chapter 6 importing chapter 7, and chapter 5 reaching chapter 10 through a module
+    ("dpcourse.collectives.ring", "dpcourse.ddp.ddp", "later chapter"),
+    ("dpcourse.collectives.p2p", "dpcourse.cost.simulate", "later chapter"),
+    # chapter 6's package importing chapter 10 through its __init__
+    ("dpcourse.collectives.ops", "dpcourse.collectives", "later chapter"),
 ])
-def test_the_guard_sees_lesson_code_importing_the_machinery(source, monkeypatch):
-    monkeypatch.setattr(__import__(__name__), "MODULES", {**MODULES, **FAKE}, raising=False)
-    assert machinery_imports("dpcourse.ddp.ddp", source) == ["dpcourse.harness.launch"]
-    assert machinery_imports("dpcourse.harness.bench.ddp", source) == []  # machinery may
+def test_the_contracts_see_a_made_up_violation(graph, importer, imported, broken):
+    graph = copy.deepcopy(graph)
+    graph.add_import(importer=importer, imported=imported)
+    if importer == "dpcourse.collectives.ops":
+        graph.add_import(importer=imported, imported="dpcourse.collectives.hierarchical")
+    assert [name for name in broken_contracts(graph) if broken in name], (importer, imported)
 
 
-def test_the_guard_sees_imports_inside_functions_and_accepts_a_reason():
-    source = ("import os\n\ndef f():\n    import torch\n    return torch\n\n"
-              "def g():\n    # import here: optional, absent outside Jupyter\n    import IPython\n"
-              "    from x import y  # import here: a cycle\n")
-    assert imports_inside_functions(source) == [4]
+def test_the_guard_sees_imports_inside_functions_without_a_reason():
+    source = ("import os\n\ndef f():\n    import torch  # noqa: PLC0415\n    return torch\n\n"
+              "def g():\n    # import here: optional, absent outside Jupyter\n"
+              "    import IPython  # noqa: PLC0415\n    from x import y  # noqa: PLC0415\n"
+              "    z = 1\n    import w  # noqa: PLC0415\n")
+    assert reasonless_inner_imports(source) == [4, 12]
+
+
+@needs_linter
+def test_the_guard_sees_a_layer_that_is_not_its_chapter():
+    wrong = copy.deepcopy(next(c for c in contracts() if c.type_name == "layers").layers)
+    wrong[-1].module_tails.add(next(iter(wrong[1].module_tails)))  # a chapter 11 module in 0
+    with pytest.raises(ValueError, match="a layer names modules of chapters"):
+        layers_of_chapters(wrong)
 
 
 def test_the_guard_sees_private_names_crossing():

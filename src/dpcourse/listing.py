@@ -44,7 +44,7 @@ class Listing:
 
     def _repr_html_(self) -> str:
         # import here: IPython (with pygments) is the notebook's, not a dependency of the package
-        from IPython.display import Code
+        from IPython.display import Code  # noqa: PLC0415
 
         return hanging_indent_html(Code(self.source, language=self.language)._repr_html_())
 

@@ -24,7 +24,7 @@ first send (:class:`~.ring.PostedAhead`) wherever the backend allows, one step a
 Chapter 10's two-level all-reduce (rings inside nodes and across them, on the same ring code),
 :func:`~dpcourse.collectives.hierarchical.hierarchical_all_reduce`, is imported from
 :mod:`dpcourse.collectives.hierarchical`, not from here: this namespace is chapter 6's, and no
-chapter imports a later one's module (``tests/test_structure.py``).
+chapter imports a later one's module (``lint-imports``: pyproject.toml's contracts).
 
 Chapter 6: the collectives of chapters 5 and 6 in one namespace (the package re-exports both).
 """

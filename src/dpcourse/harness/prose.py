@@ -43,11 +43,13 @@ def glue(name: str, value: Any, fmt: str = "") -> str:
             "with a letter (myst-nb's roles split a key at ':')"
         )
     text = format(value, fmt) if fmt else str(value)
-    from IPython import get_ipython  # import here: optional, absent outside Jupyter
+    # import here: optional, absent outside Jupyter
+    from IPython import get_ipython  # noqa: PLC0415
 
     if get_ipython() is None:
         return text
-    from IPython.display import display  # import here: optional, absent outside Jupyter
+    # import here: optional, absent outside Jupyter
+    from IPython.display import display  # noqa: PLC0415
 
     # text/plain holds the repr of the string, as IPython would show it; myst-nb's glue:text
     # role reads it back with ast.literal_eval.

@@ -80,7 +80,8 @@ class History:
 def _notebook_shell() -> bool:
     """True inside a Jupyter kernel (a live notebook, or nbclient building the book)."""
     try:
-        from IPython import get_ipython  # import here: optional, absent outside Jupyter
+        # import here: optional, absent outside Jupyter
+        from IPython import get_ipython  # noqa: PLC0415
     except ImportError:
         return False
     shell = get_ipython()
@@ -140,7 +141,8 @@ class ProgressBar:
         if not self.enabled or not self.text:
             return
         if self.notebook:
-            from IPython.display import (  # import here: optional, absent outside Jupyter
+            # import here: optional, absent outside Jupyter
+            from IPython.display import (  # noqa: PLC0415
                 Pretty,
                 display,
             )

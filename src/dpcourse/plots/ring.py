@@ -279,7 +279,8 @@ def ring_explorer(max_world: int = 8, world: int = 4):
     It is a page of HTML and JavaScript with every frame in it, so the sliders work in a live
     notebook and on the static website alike, without a kernel (an ipywidgets explorer drew
     nothing new on the website). Returns an ``IPython.display.HTML``. Chapter 6."""
-    from IPython.display import HTML  # import here: IPython is the notebook's, not a dependency
+    # import here: IPython is the notebook's, not a dependency
+    from IPython.display import HTML  # noqa: PLC0415
 
     frames = explorer_frames(max_world)
     if world not in frames:

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
         options["device_ids"] = [device.index] if device.type == "cuda" else None
     model, synchronise = ddp.wrap(variant, model, **options)
     if args.strategy == "zero":
-        from dpcourse.sharding import zero  # import here: chapter 9, for this strategy only
+        # import here: chapter 9, for this strategy only
+        from dpcourse.sharding import zero  # noqa: PLC0415
 
         optimizer = zero.ShardedOptimizer(
             raw_model.parameters(), torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay

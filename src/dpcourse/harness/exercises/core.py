@@ -205,7 +205,8 @@ def exercise(
 def registry() -> dict[str, Exercise]:
     """Every registered exercise by label (imports all the chapters' check modules)."""
 
-    from dpcourse.harness.exercises import load_all  # import here: a cycle (it imports this)
+    # import here: a cycle (it imports this)
+    from dpcourse.harness.exercises import load_all  # noqa: PLC0415
 
     load_all()
     order = {label: i for i, label in enumerate(exercise_numbers.NUMBERS)}  # the book's
@@ -711,8 +712,9 @@ def not_attempted(label: str, reason: str) -> CheckResult:
 
 def _show(result: CheckResult) -> None:
     try:
-        from IPython import get_ipython  # import here: optional, absent outside Jupyter
-        from IPython.display import HTML, display  # import here: optional, absent outside Jupyter
+        # import here: optional, absent outside Jupyter
+        from IPython import get_ipython  # noqa: PLC0415
+        from IPython.display import HTML, display  # noqa: PLC0415
 
         if get_ipython() is not None:
             display(HTML(result.html()))  # the student edition writes the same: display_output

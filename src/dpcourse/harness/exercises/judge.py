@@ -362,7 +362,8 @@ def course_answer(label: str, statements: list[Statement], function: str) -> tup
 def _grader_folders() -> list[str]:
     """Folders of this machine that messages must not show (the package's, Python's, the
     temporary ones), longest first."""
-    import dpcourse  # import here: only its location is wanted
+    # import here: only its location is wanted
+    import dpcourse  # noqa: PLC0415
 
     folders = {str(Path(dpcourse.__file__).resolve().parents[1]), sys.prefix, sys.base_prefix,
                sys.exec_prefix, tempfile.gettempdir(), str(Path.home()),

@@ -96,7 +96,8 @@ def _python_source(source: str) -> tuple[str, ast.Module | None, str | None]:
     except (ValueError, RecursionError, MemoryError) as exc:
         return source, None, f"{type(exc).__name__}: {exc}"
     try:
-        from IPython.core.inputtransformer2 import TransformerManager  # import here: optional
+        # import here: optional
+        from IPython.core.inputtransformer2 import TransformerManager  # noqa: PLC0415
 
         transformed = TransformerManager().transform_cell(source)
         return transformed, ast.parse(transformed), None

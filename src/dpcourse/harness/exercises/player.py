@@ -171,7 +171,8 @@ class ForkedPlayer:
     two descriptors it inherited."""
 
     def _bootstrap(self, parent_sentinel: int | None = None) -> int:
-        from multiprocessing import forkserver as server  # import here: a forked child's
+        # import here: a forked child's
+        from multiprocessing import forkserver as server  # noqa: PLC0415
 
         sock_fd, out_fd = server.get_inherited_fds()
         return serve(sock_fd, out_fd)

@@ -94,7 +94,8 @@ def fork_server_here(close_fds: tuple[int, ...] = ()) -> bool:
     nothing, where a server runs already or multiprocessing's differs from Python 3.10-3.12's
     (3.13 authenticates its clients)."""
     global _server_environment, _server_pid
-    from multiprocessing import connection, resource_tracker, util  # import here: rarely used
+    # import here: rarely used
+    from multiprocessing import connection, resource_tracker, util  # noqa: PLC0415
 
     server = forkserver._forkserver
     if (start_method() != "forkserver" or server._forkserver_pid is not None
