@@ -9,7 +9,7 @@ import torch
 
 from dpcourse.collectives.p2p import exchange, not_counted, rank_and_size
 
-__all__ = ["OPS", "combine_", "finish_", "check_input", "check_same_shapes", "chunk_bounds",
+__all__ = ["OPS", "combine_", "finish_", "check_input", "chunk_bounds",
            "check_root"]
 
 OPS = ("sum", "mean", "max", "min")
@@ -34,7 +34,7 @@ def finish_(tensor: torch.Tensor, op: str, world_size: int) -> None:
 def check_input(tensor: torch.Tensor, op: str | None, check_shapes: bool) -> tuple[int, int]:
     """Validate a collective's input; return (rank, world size).
 
-    With ``check_shapes`` the ranks also compare their tensors (:func:`check_same_shapes`), so
+    With ``check_shapes`` the ranks also compare their tensors (:func:`_check_same_shapes`), so
     that mismatched inputs give a clear error instead of a hang or garbage; without it nothing
     is sent.
     """
@@ -54,7 +54,7 @@ def check_input(tensor: torch.Tensor, op: str | None, check_shapes: bool) -> tup
             "t.contiguous() and copy the result back (t.copy_(result))"
         )
     if check_shapes and world > 1:
-        check_same_shapes(tensor, rank, world)
+        _check_same_shapes(tensor, rank, world)
     return rank, world
 
 
@@ -68,7 +68,7 @@ def _describe(numel: int, dtype: torch.dtype, shape: tuple) -> str:
     return f"a {dtype} tensor of shape {shape} ({numel} elements)"
 
 
-def check_same_shapes(tensor: torch.Tensor, rank: int, world: int) -> None:
+def _check_same_shapes(tensor: torch.Tensor, rank: int, world: int) -> None:
     """Raise a ValueError unless every rank's ``tensor`` has as many elements and the same
     dtype as this one. No library collective: each rank sends its numel, dtype and shape to
     its right neighbour and compares them with what comes from its left (one small message

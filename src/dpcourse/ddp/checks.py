@@ -18,7 +18,7 @@ __all__ = ["check_process_group", "check_module", "check_same_model_on_every_ran
            "check_torch_options", "check_bucket_cap"]
 
 # torch's DistributedDataParallel arguments that have no meaning for the course's DDP
-TORCH_ONLY = {
+_TORCH_ONLY = {
     "mixed_precision": "cast the model or use torch.autocast (chapter 8)",
     "device_mesh": "one process group is all the course's DDP uses",
     "delay_all_reduce_named_params": "every parameter is reduced in its bucket",
@@ -87,7 +87,7 @@ def check_torch_options(device: torch.device, device_ids, output_device, dim: in
     device arguments must name the module's device, ``dim`` must be 0, ``process_group`` the
     default group; an argument it does not know is refused by name."""
     for name in unsupported:
-        why = TORCH_ONLY.get(name)
+        why = _TORCH_ONLY.get(name)
         raise TypeError(f"DDP() does not take {name}=" + (f" ({why})" if why else
                         ": it is not an argument of torch's DistributedDataParallel either"))
 

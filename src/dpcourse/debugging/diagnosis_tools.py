@@ -53,14 +53,14 @@ from dpcourse.debugging.diagnosis import (
 )
 
 __all__ = [
-    "DEBUG_TIMEOUT_S", "ODD_WIDTH_RANK", "debug_group", "mismatch_on_rank", "skip_on_rank",
+    "DEBUG_TIMEOUT_S", "debug_group", "mismatch_on_rank", "skip_on_rank",
     "DebugRun", "flight_records", "unmatched_collectives", "analyse_flight_records",
     "collective_duration_on_rank",
 ]  # fmt: skip
 
 DEBUG_TIMEOUT_S = 3.0  # the demonstrations' process-group timeout (torch's default: 30 min)
-ODD_WIDTH_RANK = 0  # the rank whose model is built one unit narrower in reproduce_mismatch
-TRACE_PREFIX = "trace_rank_"  # a dump per rank, <prefix><rank>, as fr_trace expects
+_ODD_WIDTH_RANK = 0  # the rank whose model is built one unit narrower in reproduce_mismatch
+_TRACE_PREFIX = "trace_rank_"  # a dump per rank, <prefix><rank>, as fr_trace expects
 
 
 def debug_group(*, detail: bool = False, records: int = 0, timeout_s: float = DEBUG_TIMEOUT_S):
@@ -81,7 +81,7 @@ def mismatch_on_rank(detail: bool) -> str:
     """One rank builds the lab's MLP one unit narrower (another config file), so its flat
     gradient is shorter than the others'; every rank trains two steps."""
     group = debug_group(detail=detail)
-    width = 255 if dist.get_rank() == ODD_WIDTH_RANK else 256
+    width = 255 if dist.get_rank() == _ODD_WIDTH_RANK else 256
     try:
         training_steps_on_rank(2, 0, width=width, group=group)
     except RuntimeError as exc:
@@ -105,7 +105,7 @@ def skip_on_rank(detail: bool, records: int, dump_dir: str | None) -> str:
         ranks = str(dist.get_process_group_ranks(group))
         names = {entry["process_group"] for entry in trace["entries"]}
         trace["pg_config"] = {n: {"name": n, "desc": d, "ranks": ranks} for n, d in names}
-        path = Path(dump_dir) / f"{TRACE_PREFIX}{dist.get_rank()}"
+        path = Path(dump_dir) / f"{_TRACE_PREFIX}{dist.get_rank()}"
         path.write_bytes(pickle.dumps(trace))
     return outcome
 
@@ -131,9 +131,9 @@ class DebugRun:
 def flight_records(dump_dir: str) -> dict[int, list[tuple[int, str, list]]]:
     """Each rank's dump in ``dump_dir``: (collective number, operation, input sizes) per record."""
     records = {}
-    for path in sorted(Path(dump_dir).glob(f"{TRACE_PREFIX}*")):
+    for path in sorted(Path(dump_dir).glob(f"{_TRACE_PREFIX}*")):
         trace = pickle.loads(path.read_bytes())
-        rank = int(path.name.removeprefix(TRACE_PREFIX))
+        rank = int(path.name.removeprefix(_TRACE_PREFIX))
         fields = ("collective_seq_id", "profiling_name", "input_sizes")
         records[rank] = [tuple(e[f] for f in fields) for e in trace["entries"]]
     return records

@@ -33,14 +33,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Fault", "FaultSchedule", "fault_point", "fault_report", "collective_of", "FAULT_DIR"]
+__all__ = ["Fault", "FaultSchedule", "fault_point", "fault_report", "FAULT_DIR"]
 
 # The environment variable that tells a rank where its cluster's step files are.
 FAULT_DIR = "DPCOURSE_FAULT_DIR"
 # How long a rank waits at a fault point for the caller to apply the fault.
-POINT_TIMEOUT = 60.0
+_POINT_TIMEOUT = 60.0
 # How often the schedule looks at its triggers.
-POLL = 0.005
+_POLL = 0.005
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+),? in (\S+)')
 _ADDRESS = re.compile(r"\[?(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3})\]?(:\d+)?")
@@ -139,7 +139,7 @@ class FaultSchedule:
         return os.path.join(self.control_dir, f"{what}-{step}")
 
     def _run(self) -> None:
-        while not self._stop.wait(POLL):
+        while not self._stop.wait(_POLL):
             with self._lock:
                 if not self._armed:
                     self._thread = None
@@ -183,18 +183,18 @@ def fault_point(step: int) -> None:
         return
     open(os.path.join(folder, f"reached-{step}"), "a").close()
     applied = os.path.join(folder, f"applied-{step}")
-    deadline = time.monotonic() + POINT_TIMEOUT
+    deadline = time.monotonic() + _POINT_TIMEOUT
     while not os.path.exists(applied):
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"the fault armed at step {step} was not applied within {POINT_TIMEOUT:g} s: "
+                f"the fault armed at step {step} was not applied within {_POINT_TIMEOUT:g} s: "
                 "the process that holds the EmulatedCluster (the notebook's kernel) must be "
                 "alive and the cluster open while its ranks run"
             )
         time.sleep(0.002)
 
 
-def collective_of(text: str) -> tuple[str, str]:
+def _collective_of(text: str) -> tuple[str, str]:
     """``(function, caller)`` for a stack or traceback: the ``torch.distributed`` function a
     rank was in (the outermost frame in ``distributed_c10d.py``: ``all_reduce``, ``recv``,
     ``barrier``...) and the frame that called it (``work (cell.py:12)``); empty strings where no
@@ -258,7 +258,7 @@ def fault_report(
             lines.append(f"{where}: {failure.summary.split(' (the machine')[0]}")
             continue
         text = (failure.remote_traceback if failure is not None else "") or stack
-        name, caller = collective_of(text)
+        name, caller = _collective_of(text)
         if name:
             collectives.append(name)
         place = f"in {name}" + (f", called from {caller}" if caller else "") if name else (

@@ -5,7 +5,7 @@ page that shrinks a wide figure to fit its column shrinks the text with it (chap
 figures once showed their legends at about 6 pixels). The browser test (``tests/test_browser.py``)
 measures the text as a learner sees it: the figure's smallest font in the PNG's own pixels, times
 the scale the page shows the PNG at. Only the kernel that drew the figure knows the first number,
-so :func:`install` makes matplotlib write it into every PNG it saves, as a text chunk (:data:`KEY`,
+so :func:`install` makes matplotlib write it into every PNG it saves, as a text chunk (:data:`_KEY`,
 in points) beside the resolution PNG always carries (its ``pHYs`` chunk); :func:`read` gets both
 back. ``tools/notebook_startup.py`` installs it in the kernels that execute the book's notebooks
 (``make notebooks`` and ``make book`` name it in ``PYTHONSTARTUP``); a learner's kernel is left
@@ -25,8 +25,8 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 from PIL import Image, UnidentifiedImageError
 
-KEY = "dpcourse:smallest-text-pt"
-POINTS_PER_INCH = 72
+_KEY = "dpcourse:smallest-text-pt"
+_POINTS_PER_INCH = 72
 _ORIGINAL_PRINT_PNG = FigureCanvasAgg.print_png
 
 
@@ -45,7 +45,7 @@ class FigureText:
         """The smallest text's size in the PNG's own pixels (a 9 pt label at 100 dpi: 12.5)."""
         if self.smallest_pt is None or self.dpi is None:
             return None
-        return self.smallest_pt * self.dpi / POINTS_PER_INCH
+        return self.smallest_pt * self.dpi / _POINTS_PER_INCH
 
 
 def smallest_text_pt(fig: Figure) -> float | None:
@@ -77,7 +77,7 @@ def _print_png_recording_text(self, filename_or_obj, *, metadata=None, pil_kwarg
     drops before calling its own print_png but not before calling a function of another module."""
     pt = smallest_text_pt(self.figure)
     if pt is not None:
-        metadata = {**(metadata or {}), KEY: f"{pt:g}"}
+        metadata = {**(metadata or {}), _KEY: f"{pt:g}"}
     return _ORIGINAL_PRINT_PNG(self, filename_or_obj, metadata=metadata, pil_kwargs=pil_kwargs)
 
 
@@ -109,7 +109,7 @@ def read(png: bytes | str) -> FigureText:
         image = None
     if image is None or image.format != "PNG":
         raise ValueError("not a PNG: it lacks the PNG signature")
-    pt = image.info.get(KEY)
+    pt = image.info.get(_KEY)
     dpi = image.info.get("dpi")  # from the pHYs chunk, in dots per inch (99.9998 for 100)
     return FigureText(smallest_pt=float(pt) if pt is not None else None,
                       dpi=round(dpi[0], 1) if dpi else None, width=image.width)

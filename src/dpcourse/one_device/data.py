@@ -28,7 +28,6 @@ __all__ = [
     "NUM_SPECIAL",
     "VOCAB_SIZE",
     "DIGITS",
-    "WORDS",
     "SRC_VOCAB",
     "TGT_VOCAB",
     "encode_digits",
@@ -104,9 +103,9 @@ def random_images(
 PAD, BOS, EOS = 0, 1, 2
 NUM_SPECIAL = 3
 DIGITS = tuple("0123456789")
-WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 SRC_VOCAB = ("<pad>", "<bos>", "<eos>") + DIGITS
-TGT_VOCAB = ("<pad>", "<bos>", "<eos>") + WORDS
+TGT_VOCAB = ("<pad>", "<bos>", "<eos>") + _WORDS
 VOCAB_SIZE = len(SRC_VOCAB)
 
 
@@ -120,9 +119,9 @@ def encode_digits(digits: str) -> torch.Tensor:
 def encode_words(words: str) -> torch.Tensor:
     """``"one two three"`` -> ``tensor([BOS, 4, 5, 6, EOS])``: a target sequence (int64)."""
     try:
-        ids = [NUM_SPECIAL + WORDS.index(w) for w in words.split()]
+        ids = [NUM_SPECIAL + _WORDS.index(w) for w in words.split()]
     except ValueError:
-        raise ValueError(f"expected words among {WORDS}, got {words!r}") from None
+        raise ValueError(f"expected words among {_WORDS}, got {words!r}") from None
     if not ids:
         raise ValueError("expected at least one word")
     return torch.tensor([BOS] + ids + [EOS], dtype=torch.long)
@@ -151,7 +150,7 @@ def decode_words(ids: Iterable[int] | torch.Tensor) -> str:
 
 def digits_to_words(digits: str) -> str:
     """The task itself, written by hand: ``"123"`` -> ``"one two three"``."""
-    return " ".join(WORDS[int(c)] for c in digits)
+    return " ".join(_WORDS[int(c)] for c in digits)
 
 
 class DigitsToWords(Dataset):

@@ -29,7 +29,7 @@ __all__ = [
     "plot_will_it_fit",
 ]
 
-PART_COLORS = {
+_PART_COLORS = {
     "parameters": "tab:blue",
     "gradients": "tab:orange",
     "optimizer_state": "tab:green",
@@ -138,13 +138,13 @@ def plot_memory_breakdown(
     """Grouped bars: one group per part of memory, one bar per breakdown (e.g. estimated and
     measured)."""
     ax = _axes(ax)
-    parts = list(PART_COLORS)
+    parts = list(_PART_COLORS)
     width = 0.8 / len(breakdowns)
     hatches = ["", "//", "..", "xx"]
     for j, (name, b) in enumerate(breakdowns.items()):
         values = [getattr(b, p) / _UNIT_BYTES[unit] for p in parts]
         ax.bar(np.arange(len(parts)) + (j - (len(breakdowns) - 1) / 2) * width, values, width,
-               color=[PART_COLORS[p] for p in parts], hatch=hatches[j % len(hatches)],
+               color=[_PART_COLORS[p] for p in parts], hatch=hatches[j % len(hatches)],
                edgecolor="black", label=name)
     ax.set_xticks(range(len(parts)), [p.replace("_", "\n") for p in parts])
     ax.set_ylabel(unit)
@@ -172,7 +172,7 @@ def plot_will_it_fit(
     needs = [will_it_fit(n, 1, optimizer, bytes_per_param)[1] for n in model_sizes.values()]
     for part in ("parameters", "gradients", "optimizer_state"):
         values = np.array([getattr(b, part) / 2**30 for b in needs])
-        ax.bar(list(model_sizes), values, bottom=bottoms, color=PART_COLORS[part],
+        ax.bar(list(model_sizes), values, bottom=bottoms, color=_PART_COLORS[part],
                label=part.replace("_", " "))
         bottoms += values
     for i, total in enumerate(bottoms):

@@ -28,7 +28,7 @@ from dpcourse.collectives.ring import ring_schedule
 __all__ = ["RingFrame", "ring_frames", "ring_figsize", "draw_ring_frame", "ring_animation",
            "ring_explorer"]
 
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def ring_frames(world: int) -> list[RingFrame]:
 def _label(contributors: frozenset[int], world: int) -> str:
     if len(contributors) == world and world > 4:
         return "Σ all"
-    return "+".join(LETTERS[i] for i in sorted(contributors))
+    return "+".join(_LETTERS[i] for i in sorted(contributors))
 
 
 def draw_ring_frame(frame: RingFrame, ax: plt.Axes | None = None) -> plt.Axes:

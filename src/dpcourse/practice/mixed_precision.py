@@ -71,7 +71,7 @@ class AmpChoice(NamedTuple):
     reason: str
 
 
-BF16_CAPABILITY = (8, 0)  # Ampere (A100) on: tensor cores for bfloat16 as well as float16
+_BF16_CAPABILITY = (8, 0)  # Ampere (A100) on: tensor cores for bfloat16 as well as float16
 
 
 def choose_amp(device: torch.device | str | None = None) -> AmpChoice:
@@ -89,7 +89,7 @@ def choose_amp(device: torch.device | str | None = None) -> AmpChoice:
         return AmpChoice(torch.bfloat16, False, f"{device.type}: autocast's default, bfloat16")
     capability = torch.cuda.get_device_capability(device)
     name = f"compute capability {capability[0]}.{capability[1]}"
-    if tuple(capability) >= BF16_CAPABILITY:
+    if tuple(capability) >= _BF16_CAPABILITY:
         return AmpChoice(torch.bfloat16, False, f"{name}: bfloat16 tensor cores, no scaler")
     return AmpChoice(torch.float16, True,
                      f"{name}: no bfloat16 tensor cores, so float16 with loss scaling")

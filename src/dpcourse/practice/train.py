@@ -52,7 +52,7 @@ from dpcourse.practice.lr_schedule import RULES, lr_at
 
 STRATEGIES = ("single", "manual", "ddp-scratch", "ddp-torch", "zero")
 # the variant of dpcourse.ddp.ddp.wrap each strategy trains with ("none" for the others)
-VARIANT_OF_STRATEGY = {"manual": "step 2", "ddp-scratch": "DDP", "ddp-torch": "torch DDP"}
+_VARIANT_OF_STRATEGY = {"manual": "step 2", "ddp-scratch": "DDP", "ddp-torch": "torch DDP"}
 MODELS = ("mlp", "transformer")
 
 __all__ = ["STRATEGIES", "MODELS", "parse_args", "main"]
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- model and optimizer for the strategy
     model.to(device)
     raw_model = model
-    variant = VARIANT_OF_STRATEGY.get(args.strategy, "none")  # chapter 7's variants, by name
+    variant = _VARIANT_OF_STRATEGY.get(args.strategy, "none")  # chapter 7's variants, by name
     options = {}
     if variant == "torch DDP":
         options["device_ids"] = [device.index] if device.type == "cuda" else None

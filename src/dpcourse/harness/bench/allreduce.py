@@ -36,10 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    return bench_allreduce(args.world_size, args.repeats, args.largest)
+    return _bench_allreduce(args.world_size, args.repeats, args.largest)
 
 
-def bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
+def _bench_allreduce(world_size: int, repeats: int, largest: int) -> dict:
     """Medians (the target's measure) and 10th percentiles of every implementation and size.
 
     The 10th percentile is the time without the occasional multi-millisecond stall that a

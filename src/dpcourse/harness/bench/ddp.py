@@ -77,7 +77,7 @@ def make_model_and_batch(name: str, batch: int, rank: int):
     return model.to(device), tuple(t.to(device) for t in inputs), loss_fn
 
 
-def variant_options(label: str) -> tuple[str, dict]:
+def _variant_options(label: str) -> tuple[str, dict]:
     """A variant label of this benchmark as ``(variant, options)`` for
     :func:`dpcourse.ddp.ddp.wrap`:
     ``"DDP cap X"`` is ``DDP`` with ``bucket_cap_mb=X``, ``"DDP no overlap"`` (optionally
@@ -105,7 +105,7 @@ def time_variants_on_rank(
     runs = []
     for name in variants:
         replica = copy.deepcopy(model)
-        variant, options = variant_options(name)
+        variant, options = _variant_options(name)
         wrapped, synchronise = ddp.wrap(variant, replica, **options)
         optimizer = torch.optim.SGD(replica.parameters(), lr=1e-3)
         runs.append((name, wrapped, synchronise, optimizer))
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     return bench_ddp(args.world_size, args.repeats, args.warmup, args.batch, args.models)
 
 
-DESCRIPTIONS = {
+_DESCRIPTIONS = {
     "torch DDP": "torch.nn.parallel.DistributedDataParallel",
     "step 2": "all_reduce_gradients after backward",
     "step 3": "PerParameterDDP: async all-reduce per gradient",
@@ -195,5 +195,5 @@ def report(result: dict) -> None:
     for r in result["rows"]:
         print(
             f"{r['model']:<12} {r['variant']:<15} {r['median_s'] * 1e3:>7.2f}ms "
-            f"{r['over_torch_ddp']:>7.3f}  {DESCRIPTIONS.get(r['variant'], '')}"
+            f"{r['over_torch_ddp']:>7.3f}  {_DESCRIPTIONS.get(r['variant'], '')}"
         )

@@ -72,7 +72,7 @@ def reproduce_hang(
 
 
 
-def ddp_and_all_reduces_on_rank(
+def _ddp_and_all_reduces_on_rank(
     model: str, variants: list[str], repeats: int, batch: int, grad_bytes: int
 ) -> tuple[dict[str, list[float]], list[float]]:
     times = time_variants_on_rank(model, variants, repeats=repeats, warmup=2, batch=batch)
@@ -100,7 +100,7 @@ def reproduce_small_buckets(
 
     before = one_process()
     args = (model, variants, repeats, global_batch // world_size, grad_bytes)
-    times, ar = run_ranks(ddp_and_all_reduces_on_rank, world_size, *args, backend="gloo")[0]
+    times, ar = run_ranks(_ddp_and_all_reduces_on_rank, world_size, *args, backend="gloo")[0]
     # One process is timed twice, before and after the ranks, and the faster run is kept: it
     # runs apart from the ranks, and on a shared machine another job can slow a whole short run
     # (CI once measured 101.9 ms for a step that takes 32.6), never speed it up.
@@ -122,7 +122,7 @@ def measure_all_reduce(
     return AllReduceTiming(nbytes, world_size, medians[0]["library"][0])
 
 
-def run_fresh(fn, world_size: int, *args) -> DebugRun:
+def _run_fresh(fn, world_size: int, *args) -> DebugRun:
     with RankPool(world_size, "gloo") as pool:  # fresh ranks: the settings end with them
         try:
             return DebugRun(outcomes=pool.run(fn, *args, timeout=60))
@@ -134,7 +134,7 @@ def run_fresh(fn, world_size: int, *args) -> DebugRun:
 def reproduce_mismatch(detail: bool, world_size: int = LAB_WORLD_SIZE) -> DebugRun:
     """All-reduces of different lengths on different ranks, with or without
     ``TORCH_DISTRIBUTED_DEBUG=DETAIL``."""
-    return run_fresh(mismatch_on_rank, world_size, detail)
+    return _run_fresh(mismatch_on_rank, world_size, detail)
 
 
 
@@ -145,9 +145,9 @@ def reproduce_skip(
     and/or the flight recorder keeping ``records`` collectives per rank, its dumps read back
     (:func:`flight_records`) and analysed by ``fr_trace`` (:func:`analyse_flight_records`)."""
     if not records:
-        return run_fresh(skip_on_rank, world_size, detail, 0, None)
+        return _run_fresh(skip_on_rank, world_size, detail, 0, None)
     with tempfile.TemporaryDirectory() as dump_dir:
-        run = run_fresh(skip_on_rank, world_size, detail, records, dump_dir)
+        run = _run_fresh(skip_on_rank, world_size, detail, records, dump_dir)
         run.records = flight_records(dump_dir)
         run.analysed, run.analysis = analyse_flight_records(dump_dir)
     return run

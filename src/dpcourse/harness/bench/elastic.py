@@ -37,16 +37,16 @@ from dpcourse.harness.launch import TorchrunAgents, run_ranks
 from dpcourse.practice import checkpoint, train
 
 HELP = "torchrun agents on two emulated nodes survive a killed node, a cut link, a lost node"
-SCENARIOS = ("kill", "cut", "shrink")
+_SCENARIOS = ("kill", "cut", "shrink")
 # The trainer's command, shared by the run without a fault and the elastic ones.
 COMMON = ["--strategy", "ddp-scratch", "--steps", "12", "--batch-size", "8", "--num-samples",
           "256", "--lr-scaling", "linear", "--log-every", "2", "--checkpoint-every", "4",
           "--timeout", "5"]
-FAULT_AFTER_STEP = 4
+_FAULT_AFTER_STEP = 4
 # The c10d rendezvous: wait up to 60 s for the nodes to join; go on 2 s after the last one
 # came (--nnodes=1:2); an agent that has not sent a heartbeat for 5 x 1 s is taken as dead
 # (torch's defaults, 5 s x 3, kept the survivor of a killed node waiting 11.6 s here).
-RDZV_CONF = {"join_timeout": 60, "last_call_timeout": 2, "keep_alive_interval": 1,
+_RDZV_CONF = {"join_timeout": 60, "last_call_timeout": 2, "keep_alive_interval": 1,
              "keep_alive_max_attempt": 5}
 _WEIGHTS = re.compile(r"\(weights ([0-9a-f]{16})\)")
 # What the trainer prints, and the agent's log lines (LOGLEVEL=INFO) that tell its story.
@@ -58,7 +58,7 @@ _AGENT_LINE = re.compile(r"^([IWE])\d{4} (\d\d:\d\d:\d\d\.\d{3})\d* +\d+ \S+\] (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--scenarios", nargs="+", choices=_SCENARIOS, default=list(_SCENARIOS))
     parser.add_argument("--outage", type=float, default=8.0,
                         help="seconds the link stays cut in the cut scenario")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for each run")
@@ -87,7 +87,7 @@ def shown(text: str) -> list[str]:
     return lines
 
 
-def agent_times(text: str) -> dict[str, str]:
+def _agent_times(text: str) -> dict[str, str]:
     """The clock time (HH:MM:SS.mmm) of the first "Worker group FAILED" and of the next
     "Rendezvous complete" in an agent's output (LOGLEVEL=INFO)."""
     times: dict[str, str] = {}
@@ -114,13 +114,13 @@ def elastic_run(scenario: str, workdir: Path, outage: float = 8.0,
     module): the agents' exit codes, the final weights' hash, what each node printed, and the
     seconds from the start to the fault, from the fault to node 0's "resumed" line and to the
     end."""
-    if scenario not in SCENARIOS:
-        raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+    if scenario not in _SCENARIOS:
+        raise ValueError(f"scenario must be one of {_SCENARIOS}, got {scenario!r}")
     folder = workdir / f"elastic-{scenario}"
 
     def checkpoint_written() -> bool:
         manifest = checkpoint.latest_checkpoint(folder)
-        return manifest is not None and manifest["step"] >= FAULT_AFTER_STEP
+        return manifest is not None and manifest["step"] >= _FAULT_AFTER_STEP
 
     shrink = scenario == "shrink"
     args = [*COMMON, *(["--allow-resize"] if shrink else []), "--checkpoint-dir", str(folder)]
@@ -133,7 +133,7 @@ def elastic_run(scenario: str, workdir: Path, outage: float = 8.0,
             # a fresh store per restart attempt on several nodes (chapter 8, pytorch#135712)
             # LOGLEVEL=INFO: the agents log when the workers failed and the rendezvous ended
             env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"},
-            rdzv_conf=RDZV_CONF,
+            rdzv_conf=_RDZV_CONF,
         )
         try:
             agents.start()
@@ -148,7 +148,7 @@ def elastic_run(scenario: str, workdir: Path, outage: float = 8.0,
             else:
                 fault = cluster.kill_node(1, when=checkpoint_written)
             if not fault.wait(timeout):
-                raise TimeoutError(f"the checkpoint of step {FAULT_AFTER_STEP} was not written "
+                raise TimeoutError(f"the checkpoint of step {_FAULT_AFTER_STEP} was not written "
                                    f"within {timeout:g} s")
             fault_clock = time.time() - (time.monotonic() - fault.applied_at)  # as logs show
             if scenario == "kill":
@@ -160,7 +160,7 @@ def elastic_run(scenario: str, workdir: Path, outage: float = 8.0,
             outputs = [agents.output(n) for n in range(2)]
             agents.close()
         end = time.monotonic()
-    stages = {name: _since(clock, fault_clock) for name, clock in agent_times(outputs[0]).items()}
+    stages = {name: _since(clock, fault_clock) for name, clock in _agent_times(outputs[0]).items()}
     result.update(
         seconds_fault_to_workers_failed=stages.get("failed"),
         seconds_fault_to_rendezvous=stages.get("rendezvous"),
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def report(result: dict) -> None:
     print(f"the run without a fault (2 ranks, one node) ends with weights {result['straight']}")
-    for scenario in SCENARIOS:
+    for scenario in _SCENARIOS:
         r = result.get(scenario)
         if r is None:
             continue

@@ -39,12 +39,12 @@ from dpcourse.harness.netns import leftovers, namespace_inode, processes_in
 
 HELP = "cut, kill, restore and slow one node of an emulated cluster, timed (chapter 8)"
 FAULT_STEP = 3
-WHAT = ("cut", "kill", "restore", "slow")
+_WHAT = ("cut", "kill", "restore", "slow")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 3])
-    parser.add_argument("--what", nargs="+", choices=WHAT, default=list(WHAT))
+    parser.add_argument("--what", nargs="+", choices=_WHAT, default=list(_WHAT))
     parser.add_argument("--repeats", type=int, default=3, help="runs of cut and kill per size")
     parser.add_argument("--timeout", type=float, default=2.0,
                         help="the clusters' collective timeout, seconds")
@@ -91,7 +91,7 @@ def _closed_clean(cluster: EmulatedCluster, pids: set[int]) -> dict:
     return {"names": leftovers(tag), "in_nodes": processes_in(inodes), "ranks_alive": alive}
 
 
-def fault_once(kind: str, nodes: int, timeout: float, link: str = "1gbit") -> dict:
+def _fault_once(kind: str, nodes: int, timeout: float, link: str = "1gbit") -> dict:
     """One run of ``steps_on_rank`` on ``nodes`` nodes with node ``nodes - 1`` cut or killed at
     step 3: seconds from the fault to the error, whether every rank's line names the node and
     the collective, and what was left behind."""
@@ -126,7 +126,7 @@ def fault_once(kind: str, nodes: int, timeout: float, link: str = "1gbit") -> di
     return result
 
 
-def restore_once(nodes: int, outage: float, timeout: float, link: str = "1gbit") -> dict:
+def _restore_once(nodes: int, outage: float, timeout: float, link: str = "1gbit") -> dict:
     """Node ``nodes - 1``'s link cut at step 3 and restored ``outage`` seconds later, within a
     collective timeout of ``timeout``: the outage and the longest step around it."""
     cluster = EmulatedCluster(nodes, link=link, collective_timeout=timeout).start()
@@ -181,10 +181,10 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"timeout": args.timeout, "fault_step": FAULT_STEP, "link": args.link}
     for kind in ("cut", "kill"):
         if kind in args.what:
-            result[kind] = [fault_once(kind, n, args.timeout, args.link)
+            result[kind] = [_fault_once(kind, n, args.timeout, args.link)
                             for n in args.nodes for _ in range(args.repeats)]
     if "restore" in args.what:
-        result["restore"] = [restore_once(n, args.outage, max(10.0, 5 * args.outage),
+        result["restore"] = [_restore_once(n, args.outage, max(10.0, 5 * args.outage),
                                           args.link) for n in args.nodes]
     if "slow" in args.what:
         result["slow"] = [straggler(n, args.link, args.slow_rate, args.grad_bytes,

@@ -35,7 +35,7 @@ from dpcourse.harness.launch import run_ranks
 
 HELP = "flat ring vs two-level all-reduce on an emulated cluster with slow links between nodes"
 
-__all__ = ["two_level_samples_on_rank", "measure_two_level"]
+__all__ = ["measure_two_level"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
 
 
-def two_level_samples_on_rank(sizes: list[int], ranks_per_node: int, repeats: int) -> dict:
+def _two_level_samples_on_rank(sizes: list[int], ranks_per_node: int, repeats: int) -> dict:
     """Run on every rank: median seconds of the flat ring and of the two-level all-reduce for
     each size (float32, interleaved repetitions, the slowest rank counts)."""
 
@@ -81,7 +81,7 @@ def measure_two_level(
         # rank 0 to rank k crosses between nodes; rank 0 to rank 1 stays inside node 0
         inter = fit_link_on_cluster(cluster, sizes, peer=k)[:2]
         intra = fit_link_on_cluster(cluster, sizes, peer=1)[:2]
-        measured = run_ranks(two_level_samples_on_rank, world, sizes, k, repeats,
+        measured = run_ranks(_two_level_samples_on_rank, world, sizes, k, repeats,
                              cluster=cluster, timeout=1800)[0]
     inside = hardware.Link("inside a node (fitted)", *intra, "ping-pong, this run")
     # the node's one link is shared by its k rings across nodes: each gets 1/k of it

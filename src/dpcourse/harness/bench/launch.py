@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    return bench_launch(args.world_sizes, args.repeats, args.warm_repeats)
+    return _bench_launch(args.world_sizes, args.repeats, args.warm_repeats)
 
 
 def _trivial() -> int:
@@ -71,7 +71,7 @@ def _time_spawned(fn: Callable[[], object]) -> float:
         return _time(fn)
 
 
-def bench_launch(world_sizes: list[int], repeats: int, warm_repeats: int) -> dict:
+def _bench_launch(world_sizes: list[int], repeats: int, warm_repeats: int) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     run_ranks(_trivial, 1, backend="gloo")  # starts the fork server (once per caller)
     rows = []

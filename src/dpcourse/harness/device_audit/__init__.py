@@ -76,7 +76,7 @@ from dpcourse.harness.device_audit.tags import (
 __all__ = ["ENV", "MACHINES", "DEVICE", "HOST", "DeviceAuditError", "requested", "setting",
            "machine", "modelled_gpus", "modelled_backend", "begin_rank", "rank_backend",
            "acts_as_nccl", "enable", "enabled", "enable_if_requested", "where", "tag",
-           "AuditedMachine", "SITE"]
+           "SITE"]
 
 # A folder whose sitecustomize.py starts the audit in every Python process that the environment
 # asks it of (DPCOURSE_DEVICE_AUDIT): `make audit` puts it on PYTHONPATH, so that notebook kernels,
@@ -117,7 +117,7 @@ def enable_if_requested() -> None:
         enable()
 
 
-class AuditedMachine:
+class _AuditedMachine:
     """The machine the audit models, as :mod:`dpcourse.stand_in` asks for it: the runtime then
     hands out its backend and :data:`DEVICE`, and the collectives take its code paths."""
 
@@ -143,4 +143,4 @@ class AuditedMachine:
 
 
 # Registered on import, in force only while the environment asks for the audit (active()).
-stand_in.register(AuditedMachine())
+stand_in.register(_AuditedMachine())

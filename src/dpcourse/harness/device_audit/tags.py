@@ -27,7 +27,7 @@ DEVICE = torch.device("cpu")
 HOST = torch.device("cpu")
 # What ``t.device`` gives for an untagged CPU tensor (a gradient autograd made, say): on the
 # modelled machine it may name the GPU or the host, so what is made there stays untagged.
-UNKNOWN = torch.device("cpu")
+_UNKNOWN = torch.device("cpu")
 _TAG = "_dpcourse_where"
 _FACTORIES = frozenset(
     "tensor as_tensor zeros ones empty full rand randn randint randperm arange linspace logspace "
@@ -99,7 +99,7 @@ def _device_tag(target: Any) -> str | None:
         return "host"
     if isinstance(target, torch.Tensor):
         return where(target)
-    # UNKNOWN, or another torch.device: torch.device(runtime.device()) copies DEVICE into a new
+    # _UNKNOWN, or another torch.device: torch.device(runtime.device()) copies DEVICE into a new
     # object, so the audit cannot tell which device it names
     return None
 
@@ -162,7 +162,7 @@ class Audit(TorchFunctionMode):
             # t.device names where t would be: device=t.device and .to(t.device) follow it
             if out.type != "cpu":  # meta, say: a real device, whatever the tags
                 return out
-            return {"device": DEVICE, "host": HOST}.get(where(args[0]), UNKNOWN)
+            return {"device": DEVICE, "host": HOST}.get(where(args[0]), _UNKNOWN)
         if isinstance(out, torch.Tensor) and where(out) is None and args:
             tag(out, where(args[0]))  # p.data, t.T, p.grad...: on the same device as t
         return out

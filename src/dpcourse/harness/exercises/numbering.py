@@ -31,12 +31,9 @@ __all__ = [
     "APPENDICES",
     "parse_label",
     "part_title",
-    "page_part",
-    "labels_in_text",
     "book_pages",
     "numbers_in_book",
     "number_of",
-    "table_source",
     "write_table",
 ]
 
@@ -75,7 +72,7 @@ def part_title(part: str) -> str:
     return part if part.isdigit() else APPENDICES[part][0]
 
 
-def page_part(path: Path | str) -> str | None:
+def _page_part(path: Path | str) -> str | None:
     """The part whose exercises a page holds, from its file name (``05_collectives`` -> ``"5"``,
     ``diagnosis_lab`` -> ``"lab"``), or None for a page that is neither."""
     stem = Path(path).stem
@@ -85,7 +82,7 @@ def page_part(path: Path | str) -> str | None:
     return next((part for part, (_, page) in APPENDICES.items() if page == stem), None)
 
 
-def labels_in_text(text: str) -> list[str]:
+def _labels_in_text(text: str) -> list[str]:
     """The labels of the ``{exercise}`` directives in a page's markdown, in order."""
     return _EXERCISE.findall(text)
 
@@ -122,12 +119,12 @@ def numbers_in_book(root: Path | str) -> dict[str, str]:
     page's (an ``ex-7-...`` exercise in chapter 5, an ``ex-11-...`` one in the lab)."""
     numbers: dict[str, str] = {}
     for path in book_pages(root):
-        for k, label in enumerate(labels_in_text(_markdown_of(path)), start=1):
+        for k, label in enumerate(_labels_in_text(_markdown_of(path)), start=1):
             part, _ = parse_label(label)
-            if part != page_part(path):
+            if part != _page_part(path):
                 raise ValueError(
                     f"{path.name}: the exercise {label!r} is labelled for part {part!r}, but the "
-                    f"page's exercises are labelled ex-{page_part(path) or '?'}-<slug>"
+                    f"page's exercises are labelled ex-{_page_part(path) or '?'}-<slug>"
                 )
             if label in numbers:
                 raise ValueError(f"{path.name}: the label {label!r} is used twice")
@@ -141,7 +138,7 @@ def number_of(label: str) -> str | None:
     return exercise_numbers.NUMBERS.get(label)
 
 
-def table_source(numbers: dict[str, str]) -> str:
+def _table_source(numbers: dict[str, str]) -> str:
     """The source of ``exercise_numbers.py`` for ``numbers``."""
     rows = "".join(f"    {label!r}: {number!r},\n" for label, number in numbers.items())
     return (
@@ -155,7 +152,7 @@ def table_source(numbers: dict[str, str]) -> str:
 
 def write_table(root: Path | str) -> bool:
     """Write ``exercise_numbers.py`` from the book at ``root``; True if it changed."""
-    new = table_source(numbers_in_book(root))
+    new = _table_source(numbers_in_book(root))
     old = TABLE_MODULE.read_text() if TABLE_MODULE.exists() else ""
     if new != old:
         TABLE_MODULE.write_text(new)

@@ -92,7 +92,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 120.0
-DEFAULT_START_TIMEOUT = 90.0
+_DEFAULT_START_TIMEOUT = 90.0
 
 
 # ---------------------------------------------------------------------------------------- pool
@@ -165,7 +165,7 @@ class RankPool:
         backend: str = "auto",
         *,
         threads: int = 1,
-        start_timeout: float = DEFAULT_START_TIMEOUT,
+        start_timeout: float = _DEFAULT_START_TIMEOUT,
         prefix_output: bool = True,
         cluster=None,
     ):

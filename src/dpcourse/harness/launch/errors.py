@@ -16,7 +16,7 @@ import signal
 __all__ = ["RankError", "RankDiedError", "RankTimeoutError"]
 
 # Frames of the rank program itself, cut from the stacks shown to the learner.
-WORKER_FILE = "dpcourse/harness/launch/worker.py"
+_WORKER_FILE = "dpcourse/harness/launch/worker.py"
 
 
 class RankError(RuntimeError):
@@ -150,6 +150,6 @@ def learner_stack(dump: str) -> str:
         if any("_watch_parent" in line for line in block):
             continue
         lines = block[1:]  # "Current thread 0x... (most recent call first):"
-        cut = next((i for i, line in enumerate(lines) if WORKER_FILE in line), len(lines))
+        cut = next((i for i, line in enumerate(lines) if _WORKER_FILE in line), len(lines))
         kept.append("\n".join(lines[:cut]))
     return "\n".join(kept)

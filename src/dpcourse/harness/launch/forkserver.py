@@ -41,16 +41,16 @@ from dpcourse.harness.launch import worker
 # at a rank's first AdamW step (torch 2.13), 1.2 s on the course's 2-core machine, in every rank
 # that trains; preloaded, chapters 8 and 9 ran under nbval
 # in 50.4 s instead of 62.9 s, tests/test_zero.py and test_fsdp.py in 22-24 s instead of 26-29.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle"]
 # Environment variables whose value is read while torch (and its OpenMP/MKL) is imported.
-IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_", "PYTORCH_", "PYTHON", "LD_")
+_IMPORT_TIME_PREFIXES = ("OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_", "PYTORCH_", "PYTHON", "LD_")
 
 _server_environment: dict[str, str] | None = None  # those variables when our server started
 _server_pid: int | None = None
 
 
 def _import_time_environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_PREFIXES)}
 
 
 def start_method() -> str:
@@ -78,7 +78,7 @@ def ensure_server() -> None:
     global _server_environment, _server_pid
 
     if _server_environment is None:
-        forkserver.set_forkserver_preload(PRELOAD)
+        forkserver.set_forkserver_preload(_PRELOAD)
     forkserver.ensure_running()
     pid = forkserver._forkserver._forkserver_pid
     if pid != _server_pid:  # first start, or the server died and multiprocessing restarted it

@@ -6,7 +6,7 @@ travels), the caller's ``sys.path`` (so that what it imported from its own modul
 the rank) and the source lines of notebook cells (so that tracebacks show the code). The rank
 runs it with :func:`run_job`, whose reply is ``("result", bytes)`` or, from
 :func:`error_reply`, ``("error", type name, message, traceback, pickled exception or None)``.
-Tensors in the result travel back on the CPU (:class:`HostPickler`), so that the caller can
+Tensors in the result travel back on the CPU (:class:`_HostPickler`), so that the caller can
 compare and plot what ranks on different GPUs returned, as on a machine without GPUs.
 
 Chapter 0: the course-wide launcher's plumbing.
@@ -67,7 +67,7 @@ def serialise(fn: Callable, args: tuple, kwargs: dict) -> bytes:
 
 
 # ---------------------------------------------------------------------------- the rank's side
-class HostPickler(cloudpickle.Pickler):
+class _HostPickler(cloudpickle.Pickler):
     """cloudpickle, with every tensor on a GPU (or on the device audit's stand-in for one) sent
     as a CPU copy: rank 1's ``cuda:1`` tensor would otherwise arrive on ``cuda:1`` in the caller
     and fail to meet rank 0's, or the caller's CPU tensors."""
@@ -84,9 +84,9 @@ class HostPickler(cloudpickle.Pickler):
 
 
 def host_dumps(obj) -> bytes:
-    """Pickle a rank's result with :class:`HostPickler`."""
+    """Pickle a rank's result with :class:`_HostPickler`."""
     buffer = io.BytesIO()
-    HostPickler(buffer).dump(obj)
+    _HostPickler(buffer).dump(obj)
     return buffer.getvalue()
 
 

@@ -48,8 +48,8 @@ def run_torchrun(
     """
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"nproc must be a positive int (processes to start), got {nproc!r}")
-    check_target(target, module)
-    check_options(timeout, max_restarts)
+    _check_target(target, module)
+    _check_options(timeout, max_restarts)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
@@ -61,7 +61,7 @@ def run_torchrun(
     )
 
 
-def check_target(target: str | os.PathLike, module: bool) -> None:
+def _check_target(target: str | os.PathLike, module: bool) -> None:
     """A clear error for a script that is not there (a module's name is checked by torchrun's
     workers, which import it)."""
     if not isinstance(target, (str, os.PathLike)):
@@ -74,7 +74,7 @@ def check_target(target: str | os.PathLike, module: bool) -> None:
                                 f"script{hint}")
 
 
-def check_options(timeout: float, max_restarts: int = 0) -> None:
+def _check_options(timeout: float, max_restarts: int = 0) -> None:
     """A clear error for a timeout that is not a positive number of seconds or a number of
     restarts that is not an int from 0."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
@@ -84,7 +84,7 @@ def check_options(timeout: float, max_restarts: int = 0) -> None:
                          f"workers after a failure), got {max_restarts!r}")
 
 
-def check_cluster(cluster, port: int) -> None:
+def _check_cluster(cluster, port: int) -> None:
     """A clear error unless ``cluster`` is a started emulated cluster whose links are up and
     ``port`` a TCP port for the rendezvous."""
     if not isinstance(cluster, EmulatedCluster):
@@ -145,9 +145,9 @@ class TorchrunAgents:
         port: int = 29400,
         rdzv_conf: Mapping[str, float] | None = None,
     ):
-        check_cluster(cluster, port)
-        check_target(target, module)
-        check_options(1.0, max_restarts)
+        _check_cluster(cluster, port)
+        _check_target(target, module)
+        _check_options(1.0, max_restarts)
         self.nnodes = str(cluster.nodes_count) if nnodes is None else nnodes
         low, _, high = self.nnodes.partition(":")
         if not (low.isdigit() and (high or low).isdigit()
@@ -221,7 +221,7 @@ class TorchrunAgents:
         what every agent of that node wrote, replaced ones first, with their stderr; ``stderr``
         is empty). After ``timeout``
         seconds every agent is killed and ``subprocess.TimeoutExpired`` raised."""
-        check_options(timeout)
+        _check_options(timeout)
         deadline = time.monotonic() + timeout
         try:
             for node in sorted(self.agents):
@@ -273,8 +273,8 @@ def run_torchrun_on_cluster(
     :class:`~dpcourse.harness.cluster.EmulatedCluster` (:class:`TorchrunAgents`), started and
     waited for: returns each node's finished agent, node 0 first. After ``timeout`` seconds
     every agent is killed and ``subprocess.TimeoutExpired`` raised."""
-    check_cluster(cluster, port)
-    check_options(timeout, max_restarts)
+    _check_cluster(cluster, port)
+    _check_options(timeout, max_restarts)
     with TorchrunAgents(target, cluster, args, module=module, env=env, port=port,
                         nnodes=nnodes, max_restarts=max_restarts) as agents:
         return agents.wait(timeout)

@@ -33,7 +33,7 @@ from dpcourse.harness import device_audit
 from dpcourse.harness.launch.job import error_reply, run_job
 
 # Seconds a rank waits to leave its process group when told to stop (the launcher waits 15).
-TEARDOWN_TIMEOUT = 5.0
+_TEARDOWN_TIMEOUT = 5.0
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -187,7 +187,7 @@ def serve(fd: int) -> None:
     # lone rank past the launcher's 15 s (the process exits without interpreter shutdown anyway).
     leaving = threading.Thread(target=runtime.teardown, daemon=True)
     leaving.start()
-    leaving.join(TEARDOWN_TIMEOUT)
+    leaving.join(_TEARDOWN_TIMEOUT)
     runtime.end_process(0)
 
 
