@@ -14,12 +14,12 @@ steps each, whose chunk indices are :func:`ring_schedule`:
 Each rank sends (N-1)/N of the data in each phase, 2(N-1)/N in all: for large N about twice the
 data, however many ranks there are. That is why the ring is bandwidth-optimal.
 
-How each step's two messages travel is a seam, the *link* the phases call
-(``link.exchange(send, receive)``). The core's link, :class:`StepByStep`, runs one step at a time,
-as drawn: what NCCL needs. :class:`PostedAhead` is the layer chapter 6 adds where it teaches how
-gloo moves data: every receive posted before the first send, the default wherever the backend
-allows it (:func:`ring_link`). Same messages, same additions in the same order: the same result,
-bit for bit.
+How each step's two messages travel is a seam, the *link* the phases call (``link.exchange``:
+send one chunk, receive one into place or into a scratch buffer). The core's link,
+:class:`StepByStep`, runs one step at a time, as drawn: what NCCL needs. :class:`PostedAhead` is
+the layer chapter 6 adds where it teaches how gloo moves data: every receive posted before the
+first send, the default wherever the backend allows it (:func:`ring_link`). Same messages, same
+additions in the same order: the same result, bit for bit.
 
 Chapter 6: ring all-reduce from point-to-point messages.
 """
@@ -84,7 +84,8 @@ def _reused_buffer(numel: int, like: torch.Tensor, purpose: str) -> torch.Tensor
 
 
 def _scratch_like(chunk: torch.Tensor) -> torch.Tensor:
-    """Where phase 1 receives a chunk: not into the chunk, which holds this rank's own values."""
+    """Where phase 1 receives a chunk step by step: not into the chunk, which holds this rank's
+    own values."""
     return _reused_buffer(chunk.numel(), chunk, "incoming")
 
 
@@ -101,8 +102,11 @@ class StepByStep:
     def __init__(self, rank: int, world: int, group=None) -> None:
         self.right, self.left, self.group = (rank + 1) % world, (rank - 1) % world, group
 
-    def exchange(self, send: torch.Tensor, receive: torch.Tensor) -> torch.Tensor:
-        """Send ``send`` right while receiving from the left into ``receive``; returns it."""
+    def exchange(self, send: torch.Tensor, into: torch.Tensor | None = None,
+                 like: torch.Tensor | None = None) -> torch.Tensor:
+        """Send ``send`` right while receiving from the left into ``into``, or into a scratch
+        buffer of ``like``'s size; returns where it landed."""
+        receive = into if into is not None else _scratch_like(like)
         exchange(send, self.right, receive, self.left, self.group)
         return receive
 
@@ -119,7 +123,7 @@ def reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int, group=None,
     link = link or StepByStep(rank, world, group)
     for step in range(world - 1):
         sent, received = ring_schedule("reduce-scatter", rank, step, world)
-        incoming = link.exchange(chunks[sent], _scratch_like(chunks[received]))
+        incoming = link.exchange(chunks[sent], like=chunks[received])  # not into the chunk
         combine_(chunks[received], incoming, op)  # the left neighbour's partial sum, added
 
 
@@ -130,7 +134,7 @@ def all_gather_(chunks: list[torch.Tensor], rank: int, group=None, link=None) ->
     link = link or StepByStep(rank, world, group)
     for step in range(world - 1):
         sent, received = ring_schedule("all-gather", rank, step, world)
-        link.exchange(chunks[sent], chunks[received])  # a finished chunk, straight into place
+        link.exchange(chunks[sent], into=chunks[received])  # a finished chunk, into place
 
 
 def ring_all_reduce(
@@ -148,7 +152,7 @@ def ring_all_reduce(
     """
     rank, world = check_input(tensor, op, check_shapes)
     chunks = tensor.view(-1).tensor_split(world)  # views: the ring works in place
-    link = ring_link(chunks, rank, post_ahead)
+    link = ring_link(chunks, rank, post_ahead)  # how the messages travel: see ring_link
     reduce_scatter_(chunks, op, rank, link=link)
     finish_(chunks[rank], op, world)  # each rank averages only the chunk it owns
     all_gather_(chunks, rank, link=link)
@@ -187,9 +191,9 @@ class PostedAhead:
             into += received  # all-gather: straight into the chunks (safe: see above)
         self.posted = deque((t, irecv(t, (rank - 1) % world, group)) for t in into)
 
-    def exchange(self, send: torch.Tensor, receive: torch.Tensor) -> torch.Tensor:
+    def exchange(self, send: torch.Tensor, into=None, like=None) -> torch.Tensor:
         self.sends.append(isend(send, self.right, self.group))
-        landed, handle = self.posted.popleft()  # a slot in phase 1, ``receive`` in phase 2
+        landed, handle = self.posted.popleft()  # a slot in phase 1, ``into`` in phase 2
         handle.wait()
         return landed
 
