@@ -20,13 +20,18 @@ import importlib
 import json
 import pkgutil
 import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 
+import torch
+import torch.distributed as dist
+
 from dpcourse import runtime
 
-__all__ = ["benchmarks", "main", "recorded"]
+__all__ = ["benchmarks", "main", "recorded", "interleaved_step_times"]
 
 # Results recorded with --json, kept in the repository next to src/ (see benchmarks/README.md).
 RECORDED = Path(__file__).resolve().parents[4] / "benchmarks"
@@ -38,6 +43,43 @@ def recorded(name: str, machine: str = "cpu-2core") -> dict | None:
     repository). Chapters show it where they cannot measure, labelled as recorded."""
     path = RECORDED / machine / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def interleaved_step_times(
+    steps: Sequence[Callable[[], object]],
+    repeats: int,
+    warmup: int,
+    device: torch.device,
+    *,
+    rotate: bool = False,
+    after_round: Callable[[int], object] | None = None,
+) -> list[list[float]]:
+    """Runs on every rank: seconds per call of each of ``steps`` (one training step of each
+    variant), the steps taking turns, round after round, so that drifts in the machine's load hit
+    them all alike. Each starts after a barrier and counts as long as its slowest rank took (one
+    all-reduce of the round's times, on ``device``: NCCL's are on the GPU); the first ``warmup``
+    rounds are left out. ``rotate``: the step that goes first changes every round, so that none
+    always follows another. ``after_round(i)`` runs after round ``i`` on every rank (a check
+    that the variants agree). Returns each step's times, in the order of ``steps``. The ddp,
+    zero and fsdp benchmarks time their variants with it."""
+    times: list[list[float]] = [[] for _ in steps]
+    slowest = torch.zeros(len(steps), dtype=torch.float64, device=device)
+    for i in range(warmup + repeats):
+        for j in range(len(steps)):
+            k = (i + j) % len(steps) if rotate else j
+            dist.barrier()
+            runtime.synchronize(device)
+            t0 = time.perf_counter()
+            steps[k]()
+            runtime.synchronize(device)
+            slowest[k] = time.perf_counter() - t0
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if after_round is not None:
+            after_round(i)
+        if i >= warmup:
+            for k, seconds in enumerate(slowest.tolist()):
+                times[k].append(seconds)
+    return times
 
 
 def benchmarks() -> dict[str, ModuleType]:

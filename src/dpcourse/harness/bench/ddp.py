@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +30,7 @@ from torch import nn
 
 from dpcourse import runtime
 from dpcourse.ddp import ddp
+from dpcourse.harness.bench import interleaved_step_times
 from dpcourse.harness.launch import run_ranks
 from dpcourse.one_device import data, models
 
@@ -116,23 +117,9 @@ def time_variants_on_rank(
         synchronise()
         optimizer.step()
 
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    slowest = torch.zeros(len(runs), dtype=torch.float64, device=device)
-    for i in range(warmup + repeats):
-        for j in range(len(runs)):
-            k = (i + j) % len(runs)  # rotate who goes first, so no variant always follows another
-            _, wrapped, synchronise, optimizer = runs[k]
-            dist.barrier()
-            runtime.synchronize(device)
-            t0 = time.perf_counter()
-            step(wrapped, synchronise, optimizer)
-            runtime.synchronize(device)
-            slowest[k] = time.perf_counter() - t0
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            for k, (name, *_) in enumerate(runs):
-                times[name].append(float(slowest[k]))
-    return times
+    steps = [functools.partial(step, *run[1:]) for run in runs]
+    per_step = interleaved_step_times(steps, repeats, warmup, device, rotate=True)
+    return {name: t for (name, *_), t in zip(runs, per_step, strict=True)}
 
 
 def paired_median(times: dict[str, list[float]], a: str, b: str) -> float:

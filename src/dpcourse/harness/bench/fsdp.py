@@ -24,7 +24,6 @@ import contextlib
 import copy
 import functools
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -35,6 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from dpcourse import runtime
+from dpcourse.harness.bench import interleaved_step_times
 from dpcourse.harness.bench import zero as zero_bench
 from dpcourse.harness.launch import run_ranks
 from dpcourse.one_device.memory_measurement import optimizer_state_bytes
@@ -194,25 +194,17 @@ def time_on_rank(variants: tuple[str, ...], repeats: int, warmup: int, batch: in
     x = torch.randn(batch, width, generator=g).to(device)
     y = torch.randn(batch, out, generator=g).to(device)
     runs = [(name, *make_variant(name, copy.deepcopy(base), mesh)) for name in variants]
-    times: dict = {name: [] for name in variants}
-    slowest = torch.zeros(len(runs), dtype=torch.float64, device=device)
-    for i in range(warmup + repeats):
-        for k, (_, module, finish, opt) in enumerate(runs):
-            dist.barrier()
-            runtime.synchronize(device)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(module(x), y).backward()
-            finish()
-            opt.step()
-            runtime.synchronize(device)
-            slowest[k] = time.perf_counter() - t0
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        if i == 0:
-            _check_agreement(runs)
-        if i >= warmup:
-            for k, name in enumerate(variants):
-                times[name].append(float(slowest[k]))
+
+    def step(module, finish, opt) -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(module(x), y).backward()
+        finish()
+        opt.step()
+
+    per_step = interleaved_step_times(
+        [functools.partial(step, *run[1:]) for run in runs], repeats, warmup, device,
+        after_round=lambda i: _check_agreement(runs) if i == 0 else None)
+    times: dict = dict(zip(variants, per_step, strict=True))
     for _, module, _, _ in runs:
         if hasattr(module, "close"):
             module.close()

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -40,6 +40,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from dpcourse import runtime
 from dpcourse.ddp import ddp
+from dpcourse.harness.bench import interleaved_step_times
 from dpcourse.harness.launch import run_ranks
 from dpcourse.one_device.memory_measurement import optimizer_state_bytes
 from dpcourse.sharding.zero import ShardedOptimizer
@@ -249,26 +250,21 @@ def time_on_rank(
     x = torch.randn(batch, width, generator=g).to(device)
     y = torch.randn(batch, out, generator=g).to(device)
     runs = [(name, *_make(name, copy.deepcopy(base))) for name in variants]
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    slowest = torch.zeros(len(runs), dtype=torch.float64, device=device)  # NCCL: on the GPU
-    for i in range(warmup + repeats):
-        for k, (_, module, opt, _) in enumerate(runs):
-            dist.barrier()
-            runtime.synchronize(device)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(module(x), y).backward()
-            opt.step()
-            runtime.synchronize(device)
-            slowest[k] = time.perf_counter() - t0
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+
+    def step(module, opt) -> None:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(module(x), y).backward()
+        opt.step()
+
+    def after_round(i: int) -> None:
         if i + 1 == max(warmup, 1):
             _check_agreement(runs)
-        if i >= warmup:
-            for k, name in enumerate(variants):
-                times[name].append(float(slowest[k]))
+
+    per_step = interleaved_step_times([functools.partial(step, module, opt)
+                                       for _, module, opt, _ in runs],
+                                      repeats, warmup, device, after_round=after_round)
     state = {name: optimizer_state_bytes(local) for name, _, _, local in runs}
-    return {"times": times, "state_bytes": state}
+    return {"times": dict(zip(variants, per_step, strict=True)), "state_bytes": state}
 
 
 def _check_agreement(runs) -> None:
