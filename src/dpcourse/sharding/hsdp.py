@@ -54,19 +54,26 @@ class HSDP(FSDP):
 
     def __init__(self, module: nn.Module, ranks_per_node: int, *, groups: NodeGroups | None = None,
                  **fsdp_options: Any) -> None:
-        for taken in ("shard_group", "replicate_group"):
-            if taken in fsdp_options:
-                raise TypeError(f"HSDP makes {taken} from ranks_per_node; do not pass it")
-        if groups is None:
-            groups = node_groups(ranks_per_node)  # checks that ranks_per_node divides the world
-        elif groups.ranks_per_node != ranks_per_node:
-            raise ValueError(f"groups were made for {groups.ranks_per_node} ranks per node, not "
-                             f"{ranks_per_node}: pass node_groups({ranks_per_node})")
+        groups = _checked_groups(ranks_per_node, groups, fsdp_options)  # made if None
+        # shard inside the node, replicate across it: FSDP's groups, the node and its peers
         super().__init__(module, shard_group=groups.node, replicate_group=groups.peers,
                          **fsdp_options)
-        self.groups = groups
-        self.ranks_per_node = ranks_per_node
-        self.nodes = groups.nodes
+        self.groups, self.ranks_per_node, self.nodes = groups, ranks_per_node, groups.nodes
+
+
+def _checked_groups(ranks_per_node: int, groups: NodeGroups | None,
+                    fsdp_options: dict) -> NodeGroups:
+    """HSDP's arguments, checked: the groups of ``ranks_per_node`` (built here where ``groups`` is
+    None, which checks that it divides the world size), and no FSDP group passed by hand."""
+    for taken in ("shard_group", "replicate_group"):
+        if taken in fsdp_options:
+            raise TypeError(f"HSDP makes {taken} from ranks_per_node; do not pass it")
+    if groups is None:
+        return node_groups(ranks_per_node)  # checks that ranks_per_node divides the world
+    if groups.ranks_per_node != ranks_per_node:
+        raise ValueError(f"groups were made for {groups.ranks_per_node} ranks per node, not "
+                         f"{ranks_per_node}: pass node_groups({ranks_per_node})")
+    return groups
 
 
 # ----------------------------------------------------------------------------- the bytes
