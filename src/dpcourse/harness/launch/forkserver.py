@@ -101,7 +101,7 @@ def fork_server_here(close_fds: tuple[int, ...] = ()) -> bool:
     if (start_method() != "forkserver" or server._forkserver_pid is not None
             or hasattr(server, "_forkserver_authkey")):
         return False
-    forkserver.set_forkserver_preload(PRELOAD)  # what a restarted server would load
+    forkserver.set_forkserver_preload(_PRELOAD)  # what a restarted server would load
     resource_tracker.ensure_running()
     listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
