@@ -17,6 +17,7 @@ fails the comparison by more than 100 times the tolerance, so the comparison can
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -564,3 +565,36 @@ def test_torch_arguments_are_accepted_where_they_mean_something():
     assert "torch.autocast" in r0["mixed_precision"]
     assert r0["typo"].startswith("TypeError: DDP() does not take bucket_cap=")
     assert r0["group"].startswith("ValueError: process_group")
+
+
+def _hook_and_unused_on_rank() -> dict:
+    """torch's DDP and ours, both with find_unused_parameters=True and a communication hook
+    (chapter 12's layer on top of chapter 7's KeepUnused): Branchy's `extra` used on no rank."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    base = Branchy()
+    x, y = torch.randn(6, 5), torch.randn(6, 2)
+    grads = {}
+    for name, wrap in (("torch", nn.parallel.DistributedDataParallel), ("ours", ddp.DDP)):
+        model = copy.deepcopy(base)
+        wrapped = wrap(model, find_unused_parameters=True)
+        wrapped.register_comm_hook(None, default_hooks.allreduce_hook)
+        model.zero_grad()  # None: what a parameter no rank used keeps
+        F.mse_loss(wrapped(x * (dist.get_rank() + 1), use_extra=False), y).backward()
+        if name == "ours":
+            wrapped.finish_gradient_synchronization()
+        grads[name] = {n: None if p.grad is None else p.grad.clone()
+                       for n, p in model.named_parameters()}
+    return grads
+
+
+def test_a_comm_hook_keeps_unused_parameters_as_torch_does():
+    for grads in run_ranks(_hook_and_unused_on_rank, 2, backend="gloo", timeout=120):
+        assert grads["torch"].keys() == grads["ours"].keys()
+        for name, want in grads["torch"].items():
+            got = grads["ours"][name]
+            if want is None:
+                assert got is None, name  # `extra`: no rank used it
+            else:
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=name)
