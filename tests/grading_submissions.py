@@ -259,7 +259,7 @@ def adversarial() -> dict[str, tuple[str, nbformat.NotebookNode]]:
         "replace-references": ("replaces the check's reference and torch's comparisons in the "
                                "kernel; wrong answers", notebook("7", wrong,
                                                                  between=[REPLACE_REFERENCES])),
-        "patching-answer": ("an answer (7.1) that replaces the check's reference when called, in "
+        "patching-answer": ("an answer (7.3) that replaces the check's reference when called, in "
                             "the process running it; the others wrong",
                             notebook("7", {**wrong, "ex-7-buckets": PATCHING_ANSWER_7})),
         "course-functions": ("answers with the package's own functions (an alias, a wrapper)",
@@ -268,9 +268,9 @@ def adversarial() -> dict[str, tuple[str, nbformat.NotebookNode]]:
                          notebook("7", right, before=[LOOP])),
         "killing-cell": ("a cell that kills its kernel (SIGKILL), before right answers",
                          notebook("7", right, before=[KILL])),
-        "killing-answer": ("7.3 kills its own process when called; 7.1, 7.4 right",
+        "killing-answer": ("7.4 kills its own process when called; 7.1, 7.3 right",
                            notebook("7", {**right, "ex-7-sampler": KILLING_ANSWER})),
-        "needs-a-looping-cell": ("7.1 needs a value whose cell never ends; 7.3, 7.4 right",
+        "needs-a-looping-cell": ("7.3 needs a value whose cell never ends; 7.1, 7.4 right",
                                  notebook("7", {**right,
                                                 "ex-7-buckets": NEEDS_A_LOOPING_CELL})),
     }

@@ -67,13 +67,13 @@ def test_cells_are_named_as_jupyter_shows_them():
         "def my_bucket_assignment(s, c):\n    return []", "x = 1", counts=[12, None, None, 14]))
     first, under, counted = nb.cells
     assert first.describe() == 'the cell In [12], which begins "import torch"'
-    assert under.filename == "<cell under Exercise 7.1>"
-    assert under.describe() == ('the cell under Exercise 7.1, which begins '
+    assert under.filename == "<cell under Exercise 7.3>"
+    assert under.describe() == ('the cell under Exercise 7.3, which begins '
                                 '"def my_bucket_assignment(s, c):"')
     assert counted.filename == "<cell In [14]>"
     twin = Notebook(_notebook("md:```{exercise} x\n:label: ex-7-buckets\n```", "a = 1", "b = 2"))
-    assert [c.filename for c in twin.cells] == ["<cell under Exercise 7.1>",
-                                                "<cell under Exercise 7.1 #2>"]
+    assert [c.filename for c in twin.cells] == ["<cell under Exercise 7.3>",
+                                                "<cell under Exercise 7.3 #2>"]
 
 
 def test_ipython_syntax_is_read_and_a_cell_that_is_not_python_is_named():
@@ -170,8 +170,8 @@ def test_a_check_that_looks_inside_the_process_is_not_judged_apart():
 # -------------------------------------------------------------------------- assignments, people
 def test_an_assignment_names_a_chapter_or_exercises():
     assert grading.Assignment.of("7").exercises == (
-        "ex-7-buckets", "ex-7-hook", "ex-7-sampler", "ex-7-average", "ex-7-bucketed-ddp")
-    mixed = grading.Assignment.of(exercises=["7.3", "ex-7-buckets"], points={"ex-7-buckets": 3})
+        "ex-7-average", "ex-7-hook", "ex-7-buckets", "ex-7-sampler", "ex-7-bucketed-ddp")
+    mixed = grading.Assignment.of(exercises=["7.4", "ex-7-buckets"], points={"ex-7-buckets": 3})
     assert mixed.exercises == ("ex-7-buckets", "ex-7-sampler")
     assert mixed.points_of("ex-7-buckets") == 3 and mixed.points_of("ex-7-sampler") == 1
     assert grading.Assignment.of("lab").parts() == ["lab"]
@@ -219,7 +219,7 @@ def _rows() -> list[grading.GradeRow]:
     row = grading.GradeRow
     return [
         row("alice", "s/alice/07.ipynb", "7", "ex-7-buckets", "passed", 3, 3, "ok",
-            cells=['the cell under Exercise 7.1, which begins "def my_bucket_assignment("'],
+            cells=['the cell under Exercise 7.3, which begins "def my_bucket_assignment("'],
             output="<script>alert(1)</script>"),
         row("alice", "s/alice/07.ipynb", "7", "ex-7-sampler", "failed", 0, 1, "expected <[1]>",
             problems=["the cell In [3] raised NameError: name 'x' is not defined, line 2"]),
@@ -229,12 +229,12 @@ def _rows() -> list[grading.GradeRow]:
 
 
 def test_records_scores_totals_and_feedback(tmp_path):
-    assignment = grading.Assignment.of(exercises=["7.1", "7.3"], points={"ex-7-buckets": 3})
+    assignment = grading.Assignment.of(exercises=["7.3", "7.4"], points={"ex-7-buckets": 3})
     written = grading.write_records(_rows(), tmp_path / "grades", assignment)
     assert [p.name for p in written] == ["scores.csv", "totals.csv", "alice.html", "bob.html"]
     scores = list(csv.DictReader(open(tmp_path / "grades" / "scores.csv")))
     assert list(scores[0]) == grading.SCORE_COLUMNS
-    assert scores[0]["number"] == "7.1" and scores[0]["points"] == "3"
+    assert scores[0]["number"] == "7.3" and scores[0]["points"] == "3"
     totals = list(csv.DictReader(open(tmp_path / "grades" / "totals.csv")))
     # the best of alice's two notebooks per exercise; bob handed in no chapter-7 notebook
     assert totals == [
@@ -258,16 +258,16 @@ def test_regrading_one_student_keeps_the_others(tmp_path):
 
 
 def test_gradescope_results_list_every_exercise_of_the_assignment():
-    assignment = grading.Assignment.of(exercises=["7.1", "7.3", "7.4"],
+    assignment = grading.Assignment.of(exercises=["7.3", "7.4", "7.1"],
                                        points={"ex-7-buckets": 3})
     alice = [r for r in _rows() if r.student == "alice"]
     result = grading.gradescope_results(alice, assignment)
     assert [(t["name"], t["score"], t["max_score"], t["status"]) for t in result["tests"]] == [
-        ("Exercise 7.1 (ex-7-buckets)", 3, 3, "passed"),
-        ("Exercise 7.3 (ex-7-sampler)", 1, 1, "passed"),
-        ("Exercise 7.4 (ex-7-average)", 0, 1, "failed")]
-    assert result["tests"][1]["output"] == "passed: ok [07b.ipynb]"  # the better notebook's
-    assert result["tests"][2]["output"].startswith("not handed in")
+        ("Exercise 7.1 (ex-7-average)", 0, 1, "failed"),
+        ("Exercise 7.3 (ex-7-buckets)", 3, 3, "passed"),
+        ("Exercise 7.4 (ex-7-sampler)", 1, 1, "passed")]
+    assert result["tests"][2]["output"] == "passed: ok [07b.ipynb]"  # the better notebook's
+    assert result["tests"][0]["output"].startswith("not handed in")
     assert result["score"] == 4 and result["output"].startswith("4/5 points")
     bob = grading.gradescope_results([r for r in _rows() if r.student == "bob"], assignment)
     assert bob["score"] == 0 and "bob.ipynb: this notebook is chapter 1" in bob["output"]
@@ -290,13 +290,14 @@ def test_the_grade_command(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(grading, "grade", fake_grade)
     out = tmp_path / "grades"
-    assert main(["grade", str(subs), "--out", str(out), "--chapter", "7", "--points", "7.1=2",
+    assert main(["grade", str(subs), "--out", str(out), "--chapter", "7", "--points", "7.3=2",
                  "--gradescope-file", str(tmp_path / "results.json"),
                  "--course-code-counts"]) == 0
     assert seen["students"] == ["alice", "bob"] and seen["counts"]
     assert seen["assignment"].points_of("ex-7-buckets") == 2
     assert "2/6  alice" in capsys.readouterr().out
-    assert json.loads((tmp_path / "results.json").read_text())["tests"][0]["max_score"] == 2
+    tests = json.loads((tmp_path / "results.json").read_text())["tests"]
+    assert next(t for t in tests if "ex-7-buckets" in t["name"])["max_score"] == 2
     assert main(["grade", str(subs), "--out", str(out), "--only", "bob"]) == 0
     assert seen["students"] == ["bob"]
     assert {r.student for r in grading.read_scores(out / "scores.csv")} == {"alice", "bob"}

@@ -26,7 +26,7 @@ def _submission(student: str, nb: nbformat.NotebookNode) -> grading.Submission:
 
 def _only(nb: nbformat.NotebookNode, functions: set[str]) -> nbformat.NotebookNode:
     """``nb`` without the exercises whose function is not in ``functions`` (a rank check costs
-    seconds: the tests run chapter 7's exercise 7.4 only where it shows something)."""
+    seconds: the tests run chapter 7's exercise 7.1 only where it shows something)."""
     nb = nbformat.from_dict(json.loads(nbformat.writes(nb)))
     keep = []
     for cell in nb.cells:
@@ -116,7 +116,7 @@ def test_honest_submissions_get_the_scores_they_earn(graded):
         assert "AssertionError" not in row.message and "overlap" not in row.message
         assert not any("assert 0.2" in c or "sleep(3)" in c for c in row.cells), row.cells
     assert graded[("7-right", "ex-7-buckets")].cells == [
-        "the cell under Exercise 7.1, which begins "
+        "the cell under Exercise 7.3, which begins "
         '"def my_bucket_assignment(param_bytes, cap_bytes):"']
 
 
@@ -161,7 +161,7 @@ def test_loops_and_killed_processes_are_stopped_and_named(graded):
         "SIGKILL (the machine's out-of-memory killer sends it)")
     stuck = graded[("needs-a-looping-cell", "ex-7-buckets")]
     assert stuck.status == "failed" and stuck.message == (
-        'the cell under Exercise 7.1, which begins "import time" was still running after the '
+        'the cell under Exercise 7.3, which begins "import time" was still running after the '
         "time limit of 5 s for a cell, and was stopped: my_bucket_assignment could not be "
         "checked")
     # the other exercises of those notebooks are graded as they deserve
