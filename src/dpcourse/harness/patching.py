@@ -54,7 +54,7 @@ def replaced(wrappers: dict[str, Callable[[Callable], Callable]]) -> Iterator[No
 
 # torch.distributed's collectives, which the course's own must never call (see
 # dpcourse.collectives).
-_LIBRARY_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter",
+LIBRARY_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter",
                        "barrier", "all_to_all", "all_gather_into_tensor", "reduce_scatter_tensor",
                        # torch 2.13's names for the two above, and the batched forms
                        "all_gather_single", "reduce_scatter_single", "all_to_all_single",
@@ -73,5 +73,5 @@ def library_collectives_forbidden() -> Iterator[None]:
 
         return forbidden
 
-    with replaced(dict.fromkeys(_LIBRARY_COLLECTIVES, forbid)):
+    with replaced(dict.fromkeys(LIBRARY_COLLECTIVES, forbid)):
         yield
