@@ -73,21 +73,48 @@ def _run_install_cell(source, monkeypatch):
     return commands
 
 
-def test_install_cell_without_a_repository_says_how_to_install(monkeypatch):
-    source = _install_cell_tool().TEMPLATE.format(repository="", needs="numpy", needs_list='"n"')
-    with pytest.raises(ImportError, match=r"pip install -e \.") as error:
-        _run_install_cell(source, monkeypatch)
+def _install_source(site="", repository="", needs=("numpy",)):
+    return _install_cell_tool().TEMPLATE.format(
+        site=site, repository=repository, needs=" ".join(needs),
+        needs_list=", ".join(f'"{n}"' for n in needs))
+
+
+def test_install_cell_with_nowhere_to_install_from_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no wheel beside the notebook
+    with pytest.raises(ImportError, match=r"course \.zip") as error:
+        _run_install_cell(_install_source(), monkeypatch)
     assert "pip install --no-deps -e . && pip install numpy" in str(error.value)
+    assert "dpcourse .whl" in str(error.value)
 
 
-def test_install_cell_installs_from_the_repository_without_torch(monkeypatch):
-    tool = _install_cell_tool()
+def test_install_cell_takes_the_wheel_beside_the_notebook_first(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dpcourse-0.1.0-py3-none-any.whl").write_bytes(b"")
+    source = _install_source(site="https://example.org/course/",
+                             repository="https://github.com/example/course")
+    (package,) = _run_install_cell(source, monkeypatch)  # numpy imports: nothing else installed
+    assert package[-2:] == ["--no-deps", str(tmp_path / "dpcourse-0.1.0-py3-none-any.whl")]
+
+
+def test_install_cell_takes_the_site_then_the_repository(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    source = _install_source(site="https://example.org/course/",
+                             repository="https://github.com/example/course")
+    (package,) = _run_install_cell(source, monkeypatch)
+    assert package[-5:] == ["--no-deps", "--no-index", "--find-links",
+                            "https://example.org/course/downloads/index.html", "dpcourse"]
     url = "https://github.com/example/course"
-    source = tool.TEMPLATE.format(repository=url, needs="cloudpickle numpy",
-                                  needs_list='"cloudpickle", "numpy"')
-    package, needs = _run_install_cell(source, monkeypatch)
+    (package,) = _run_install_cell(_install_source(repository=url), monkeypatch)
     assert package[-2:] == ["--no-deps", f"dpcourse @ git+{url}"]  # torch stays as it is
-    assert needs[-2:] == ["cloudpickle", "numpy"]
+
+
+def test_install_cell_installs_only_the_needs_that_are_missing(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    source = _install_source(repository="https://github.com/example/course",
+                             needs=("numpy", "no_such_module_for_the_test"))
+    package, needs = _run_install_cell(source, monkeypatch)
+    assert needs[-1] == "no_such_module_for_the_test" and "numpy" not in needs
+    tool = _install_cell_tool()
     assert "torch" not in tool.needs() and "numpy" in tool.needs()
 
 

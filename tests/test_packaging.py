@@ -12,6 +12,7 @@ wheel alone, from no index.
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import importlib.util
 import json
 import os
 import re
@@ -30,6 +31,11 @@ from packaging.utils import canonicalize_name
 import dpcourse
 
 ROOT = Path(__file__).resolve().parents[1]
+HTML = ROOT / "_build" / "html"
+_spec = importlib.util.spec_from_file_location("course_download",
+                                               ROOT / "_ext" / "course_download.py")
+course_download = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(course_download)
 # What a learner's environment must not get from the package: the book, the tests, Jupyter.
 TOOLING = ("jupyter_book", "sphinx", "myst_nb", "nbval", "nbclient", "pytest", "ipykernel",
            "jupyterlab", "hypothesis", "yaml")
@@ -84,15 +90,31 @@ def runtime_closure(names: list[str]) -> list[metadata.Distribution]:
     return list(seen.values())
 
 
+def clean_environment(tmp: Path, names: list[str]) -> Path:
+    """A virtual environment in ``tmp/venv`` made from the interpreter .venv was made from, that
+    sees ``names`` and what they need at run time (links to this environment's copies, with their
+    metadata, through a ``.pth`` file) and nothing else; returns its ``python``."""
+    runtime_dir = tmp / "runtime"
+    runtime_dir.mkdir()
+    for dist in runtime_closure(names):
+        for top in {Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
+            target, link = Path(dist.locate_file(top)), runtime_dir / top
+            if target.exists() and not link.exists() and not top.endswith((".pth", "__pycache__")):
+                link.symlink_to(target)
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    venv = tmp / "venv"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], capture_output=True, text=True, check=True)
+    Path(purelib.stdout.strip(), "runtime-links.pth").write_text(f"{runtime_dir}\n")
+    return python
+
+
 def build(tmp: Path) -> tuple[Path, Path]:
     """An sdist of a copy of the sources, and a wheel built from that sdist (so the sdist is
     complete): what ``python -m build`` makes, through the same setuptools backend."""
-    src = tmp / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE", "LICENSE-CC-BY-4.0.txt"):
-        shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "src", src / "src",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    src = course_download.copy_package_sources(ROOT, tmp / "src")
     dist = tmp / "dist"
     backend = "import sys; from setuptools import build_meta as b; b.build_{}(sys.argv[1])"
     subprocess.run([sys.executable, "-c", backend.format("sdist"), str(dist)], cwd=src,
@@ -107,67 +129,98 @@ def build(tmp: Path) -> tuple[Path, Path]:
     return sdist, wheel
 
 
-JOB = textwrap.dedent("""
-    import importlib.metadata, importlib.util, json, sys
-    import torch
-    import torch.distributed as dist
-    import dpcourse
-    from dpcourse import runtime
-    from dpcourse.harness.launch import run_ranks
-
-    def rank_sum():
-        t = torch.full((3,), float(dist.get_rank() + 1), device=runtime.device())
-        dist.all_reduce(t)
-        return t.tolist()
-
-    if __name__ == "__main__":
-        print(json.dumps({
-            "results": run_ranks(rank_sum, 2),
-            "file": dpcourse.__file__,
-            "version": dpcourse.__version__,
-            "metadata_version": importlib.metadata.version("dpcourse"),
-            "importable": [m for m in sys.argv[1:] if importlib.util.find_spec(m)],
-        }))
-""")
-
-
-@pytest.mark.timeout(120)
-def test_the_wheel_alone_runs_two_ranks_in_a_clean_environment(tmp_path):
+def test_the_sdist_and_the_wheel_hold_the_package_and_declare_its_needs(tmp_path):
     sdist, wheel = build(tmp_path)
     assert sdist.name == f"dpcourse-{dpcourse.__version__}.tar.gz"
     assert wheel.name == f"dpcourse-{dpcourse.__version__}-py3-none-any.whl"
-    # The packages the wheel needs at run time, as links, with their metadata.
     with zipfile.ZipFile(wheel) as whl:
         meta = whl.read(f"dpcourse-{dpcourse.__version__}.dist-info/METADATA").decode()
+        assert "dpcourse/harness/launch/worker.py" in whl.namelist()
     needs = [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
     assert sorted(Requirement(r).name for r in needs) == [
         "cloudpickle", "matplotlib", "numpy", "torch"]
-    runtime_dir = tmp_path / "runtime"
-    runtime_dir.mkdir()
-    for dist in runtime_closure([Requirement(r).name for r in needs]):
-        for top in {Path(f).parts[0] for f in dist.files or [] if not str(f).startswith("..")}:
-            target, link = Path(dist.locate_file(top)), runtime_dir / top
-            if target.exists() and not link.exists() and not top.endswith((".pth", "__pycache__")):
-                link.symlink_to(target)
-    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    venv = tmp_path / "venv"
-    subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                              "['purelib'])"], capture_output=True, text=True, check=True)
-    Path(purelib.stdout.strip(), "runtime-links.pth").write_text(f"{runtime_dir}\n")
+
+
+# The introduction (4 ranks) and chapter 1 from the course's archive, as a learner runs them: the
+# archive unpacked, each notebook's cells run from the top by the clean environment's Python in a
+# network namespace of its own (no network: the install cell must find the wheel beside the
+# notebook). Not a Jupyter kernel (the environment has no Jupyter): each notebook's cells run in
+# one namespace of their own, as a kernel would run them.
+RUN_NOTEBOOKS = textwrap.dedent("""
+    import importlib.metadata, importlib.util, json, socket, sys, time
+    try:
+        socket.create_connection(("1.1.1.1", 443), timeout=3).close()
+        sys.exit("the network is reachable from here: this run would not show that none is needed")
+    except OSError as error:
+        offline = str(error)
+    assert importlib.util.find_spec("dpcourse") is None, "dpcourse is there before the run"
+    seconds = {}
+    for name in sys.argv[1:]:
+        cells = [c for c in json.load(open(name))["cells"] if c["cell_type"] == "code"]
+        namespace = {"__name__": "__main__"}
+        start = time.perf_counter()
+        for i, cell in enumerate(cells):
+            exec(compile("".join(cell["source"]), f"{name}, code cell {i}", "exec"), namespace)
+        seconds[name] = round(time.perf_counter() - start, 1)
+    import dpcourse
+    print(json.dumps({
+        "seconds": seconds, "offline": offline, "file": dpcourse.__file__,
+        "version": dpcourse.__version__,
+        "metadata_version": importlib.metadata.version("dpcourse"),
+        "importable": [m for m in TOOLING if importlib.util.find_spec(m)],
+    }))
+""").replace("TOOLING", repr(TOOLING))
+
+
+def network_namespace() -> list[str]:
+    """The command prefix that runs a command with no network (a namespace with only loopback),
+    or a skip where this machine cannot make one."""
+    command = ["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("no unshare or ip (util-linux, iproute2): cannot cut the network off")
+    if subprocess.run([*command, "true"], capture_output=True).returncode:
+        pytest.skip("unshare --net is not permitted here (needs root or CAP_SYS_ADMIN)")
+    return command
+
+
+def course_archive(tmp: Path) -> Path:
+    """The archive the built website serves (``make test`` builds it first), else one built now
+    from the sources, as ``_ext/course_download.py`` builds it for the site."""
+    served = HTML / course_download.FOLDER / f"{course_download.ARCHIVE_NAME}.zip"
+    if served.exists():
+        return served
+    if os.environ.get("DPCOURSE_REQUIRE_SITE"):
+        raise AssertionError(f"the website serves no {served.name}: see _ext/course_download.py")
+    wheel = course_download.build_wheel(ROOT, tmp / "dist")
+    return course_download.write_archive(sorted((ROOT / "chapters").glob("*.ipynb")), wheel,
+                                         tmp / "course.zip", "with solutions")
+
+
+@pytest.mark.timeout(300)
+def test_the_course_archive_runs_the_introduction_and_chapter_1_offline_in_a_clean_env(tmp_path):
+    offline = network_namespace()
+    with zipfile.ZipFile(course_archive(tmp_path)) as archive:
+        names = archive.namelist()
+        archive.extractall(tmp_path / "unpacked")
+    folder = tmp_path / "unpacked" / course_download.ARCHIVE_NAME
+    wheel = f"dpcourse-{dpcourse.__version__}-py3-none-any.whl"
+    assert {f"{folder.name}/{n}" for n in ("01_single_device.ipynb", "intro.ipynb", wheel,
+                                           "README.txt")} <= set(names)
+    # torch, the three needs the wheel declares (what Colab, Kaggle and any scientific Python
+    # have) and pip, which the install cell runs; no dpcourse, no Jupyter, no IPython.
+    python = clean_environment(tmp_path, ["torch", "numpy", "matplotlib", "cloudpickle", "pip"])
+    (tmp_path / "run_notebooks.py").write_text(RUN_NOTEBOOKS)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
-         "--no-compile", "--disable-pip-version-check", "--quiet", str(wheel)],
-        env=env, cwd=tmp_path, capture_output=True, text=True)
-    assert install.returncode == 0, install.stdout + install.stderr
-    (tmp_path / "job.py").write_text(JOB)
-    run = subprocess.run([str(python), "job.py", *TOOLING], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=100)
-    assert run.returncode == 0, run.stdout + run.stderr
+    env.update(MPLBACKEND="Agg", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1",
+               OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    run = subprocess.run([*offline, str(python), str(tmp_path / "run_notebooks.py"),
+                          "intro.ipynb", "01_single_device.ipynb"], cwd=folder, env=env,
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["results"] == [[3.0, 3.0, 3.0]] * 2
-    assert Path(report["file"]).is_relative_to(venv), report["file"]  # the wheel, not src/
+    assert "unreachable" in report["offline"], report
+    assert "[rank 3] I hold 4" in run.stdout  # the introduction's 4 ranks ran
+    assert Path(report["file"]).is_relative_to(tmp_path / "venv"), report  # the wheel's
     assert report["version"] == report["metadata_version"] == dpcourse.__version__
     assert report["importable"] == [], f"the clean environment has {report['importable']}"
+    print(f"from the archive, offline: {report['seconds']}")

@@ -101,6 +101,51 @@ def test_student_site_has_no_solution_text():
     assert "not attempted" in ch1  # the checks ran on the unsolved stubs
 
 
+# --- Issue 45: the code can be had from the site ------------------------------------------------
+ARCHIVE = "downloads/data-parallelism-from-scratch.zip"
+
+
+def test_the_site_serves_the_wheel_and_the_course_archive_and_every_page_offers_them():
+    import zipfile
+
+    import dpcourse
+
+    wheel = f"dpcourse-{dpcourse.__version__}-py3-none-any.whl"
+    assert (HTML / "downloads" / wheel).is_file()
+    assert f'href="{wheel}"' in (HTML / "downloads" / "index.html").read_text()  # pip's page
+    with zipfile.ZipFile(HTML / ARCHIVE) as archive:
+        names = {Path(n).name for n in archive.namelist()}
+    assert {wheel, "README.txt"} <= names
+    notebooks = {n for n in names if n.endswith(".ipynb")}
+    assert notebooks == {p.name for p in (ROOT / "chapters").glob("*.ipynb")}
+    for name in toc_files():
+        html = page(name)
+        up = "../" * name.count("/")
+        assert f'href="{up}{ARCHIVE}"' in html, f"{name}: its download menu has no course .zip"
+        assert f'href="{up}downloads/{wheel}"' in html, f"{name}: no dpcourse .whl"
+
+
+def test_the_student_sites_archive_has_no_solution():
+    import json
+    import zipfile
+
+    from dpcourse.harness.exercises.student import solution_lines
+
+    if not (STUDENT_HTML / ARCHIVE).exists():
+        if os.environ.get("DPCOURSE_REQUIRE_SITE"):
+            raise AssertionError(f"the student site serves no {ARCHIVE}")
+        pytest.skip("the student site is not built: run `make student` first")
+    secrets = solution_lines(ROOT)
+    with zipfile.ZipFile(STUDENT_HTML / ARCHIVE) as archive:
+        for name in archive.namelist():
+            if name.endswith(".ipynb"):
+                cells = json.loads(archive.read(name))["cells"]
+                text = "\n".join("".join(c["source"]) for c in cells)
+                leaked = [s for s in secrets if s in text]
+                assert not leaked, f"{name} leaks: {leaked[:3]}"
+                assert not any(c.get("outputs") for c in cells), f"{name} has outputs"
+
+
 # --- Issue 34: exercises as a learner meets them, and what works on the static site ---------
 EXERCISE_HEADING = re.compile(
     r'<div class="exercise admonition" id="([^"]+)">\s*<p class="admonition-title">'

@@ -1,11 +1,19 @@
 """The first code cell of every chapter notebook: install `dpcourse` where it is missing.
 
 On Colab, Kaggle or a bare Jupyter a notebook opened on its own finds no `dpcourse`. The cell
-this tool writes installs it there from the repository that `_config.yml` names (`repository:
-url:`), without its dependency on torch, so that the torch the machine came with (a CUDA build)
-stays; then the other needs by name, which pip leaves alone where they are installed. Where no
-repository is named it stops with how to install from a clone. Where `dpcourse` imports (a
-clone after `make`, CI) the cell does nothing.
+this tool writes installs it, without its dependency on torch (`--no-deps`, so that the torch the
+machine came with, a CUDA build, stays), from the first of these that there is:
+
+1. a wheel `dpcourse-*.whl` beside the notebook: the course's archive, which every page of the
+   website offers for download, holds one next to the notebooks (`_ext/course_download.py`);
+   this needs no network;
+2. the website, where `_config.yml` names its address (`html: baseurl:`): the site serves the
+   wheel under `downloads/`;
+3. the repository, where `_config.yml` names one (`repository: url:`);
+
+and otherwise stops with what to do. Then it installs, by name, those of the package's other
+needs (numpy, matplotlib, cloudpickle) that do not import. Where `dpcourse` imports (a clone after
+`make`, CI) the cell does nothing.
 
 The cell is the same in every notebook, written from one template here:
 
@@ -13,7 +21,7 @@ The cell is the same in every notebook, written from one template here:
     python tools/install_cell.py --check  # exit 1 if a notebook's cell differs
 
 `tests/test_notebook_files.py` checks that every notebook has it, unchanged, as its first code
-cell. Run the tool again after naming the repository in `_config.yml`.
+cell. Run the tool again after naming the site or the repository in `_config.yml`.
 
 Chapter 0: the course's tooling (running the notebooks on any machine).
 """
@@ -39,31 +47,57 @@ CELL_ID = "install-dpcourse"
 TAGS = ["hide-cell"]
 
 TEMPLATE = '''\
-# Colab, Kaggle or a bare Jupyter: install the course's package if it is missing, keeping the
-# machine's torch (the book's page "Run it on your machine" says more). Elsewhere: nothing.
+# Colab, Kaggle, the course's archive or a bare Jupyter: install the course's package if it is
+# missing, keeping the machine's torch ("Run it on your machine" says more). Else: nothing.
 try:
     import dpcourse  # noqa: F401
 except ImportError:
+    import importlib.util
     import subprocess
     import sys
+    from pathlib import Path
 
-    REPOSITORY = "{repository}"  # _config.yml's; written by tools/install_cell.py
-    if not REPOSITORY:
+    SITE = "{site}"  # _config.yml's html.baseurl; written by tools/install_cell.py
+    REPOSITORY = "{repository}"  # _config.yml's repository.url
+    wheels = sorted(Path.cwd().glob("dpcourse-*.whl"))  # the archive's, beside the notebook
+    if wheels:
+        package = [str(wheels[-1])]
+    elif SITE:
+        package = ["--no-index", "--find-links", f"{{SITE.rstrip('/')}}/downloads/index.html",
+                   "dpcourse"]
+    elif REPOSITORY:
+        package = [f"dpcourse @ git+{{REPOSITORY}}"]
+    else:
         raise ImportError(
-            "dpcourse is not installed. In a clone of the course: pip install -e . ; to keep an "
-            "installed torch: pip install --no-deps -e . && pip install {needs}"
+            "dpcourse is not installed, and this notebook has no wheel beside it. Download the "
+            "course from any page of its website (the download menu's 'course .zip': every "
+            "notebook with the package's wheel), unpack it and open this notebook from there; "
+            "or put the website's 'dpcourse .whl' beside this notebook. In a clone of the "
+            "course: pip install -e . ; to keep an installed torch: pip install --no-deps -e . "
+            "&& pip install {needs}"
         ) from None
     pip = [sys.executable, "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, "--no-deps", f"dpcourse @ git+{{REPOSITORY}}"], check=True)
-    subprocess.run([*pip, {needs_list}], check=True)
+    subprocess.run([*pip, "--no-deps", *package], check=True)
+    missing = [name for name in ({needs_list},) if importlib.util.find_spec(name) is None]
+    if missing:  # Colab and Kaggle have them all
+        subprocess.run([*pip, *missing], check=True)
+    importlib.invalidate_caches()
     import dpcourse  # noqa: F401
 '''
 
 
+def _config() -> dict:
+    return yaml.safe_load((ROOT / "_config.yml").read_text())
+
+
 def repository() -> str:
     """The repository's URL that `_config.yml` names ("" when none is)."""
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    return ((config.get("repository") or {}).get("url") or "").strip()
+    return ((_config().get("repository") or {}).get("url") or "").strip()
+
+
+def site() -> str:
+    """The website's address that `_config.yml` names (`html: baseurl:`; "" when none is)."""
+    return ((_config().get("html") or {}).get("baseurl") or "").strip()
 
 
 def needs() -> list[str]:
@@ -78,7 +112,7 @@ def needs() -> list[str]:
 def cell_source() -> str:
     """The cell's source, as every notebook must have it."""
     names = needs()
-    return TEMPLATE.format(repository=repository(), needs=" ".join(names),
+    return TEMPLATE.format(site=site(), repository=repository(), needs=" ".join(names),
                            needs_list=", ".join(f'"{name}"' for name in names)).rstrip("\n")
 
 

@@ -23,8 +23,6 @@ import json
 import re
 from pathlib import Path
 
-import yaml
-
 from dpcourse.harness.exercises import exercise_numbers
 
 __all__ = [
@@ -100,6 +98,10 @@ def _markdown_of(path: Path) -> str:
 
 def book_pages(root: Path | str) -> list[Path]:
     """The pages of the book at ``root`` in the order of its ``_toc.yml``."""
+    # Only the instructor's tools read _toc.yml; a learner's notebook imports this module (the
+    # exercise checks do) where pyyaml, not one of the package's needs, may be missing.
+    import yaml  # import here: an optional dependency (see above)
+
     root = Path(root)
     toc = yaml.safe_load((root / "_toc.yml").read_text())
     files = [toc["root"]] + [
