@@ -16,7 +16,8 @@ network fails. On each page:
 * no display equation runs past its column (cut off, or scrolling sideways), and no figure shows
   its smallest text under MIN_FIGURE_TEXT_PX: the size its notebook's kernel recorded in the PNG
   (dpcourse.harness.figure_text), times the scale the page draws the PNG at; every figure's
-  measurement is written to _build/browser-test/figure-text.json;
+  measurement is written to _build/browser-test/figure-text.json; nor a figure whose kernel found
+  a legend over its data or its text, or a text cut by its edge (recorded in the PNG too);
 * axe-core (vendored by tools/vendor_assets.sh) finds no serious or critical violation of the
   WCAG 2.0-2.2 A and AA rules or axe's best practices (AXE_OPTIONS) on a page of the book website
   (and of the student website with DPCOURSE_AXE_STUDENT=1); rules turned off are in AXE_RULES_OFF,
@@ -394,7 +395,8 @@ MIN_FIGURE_TEXT_PX = 9.0
 
 def figure_text_problems(figures: list[dict]) -> tuple[list[str], list[dict]]:
     """The figures (as browser_checks.js lists them: src, shown width, what) whose smallest text
-    shows under MIN_FIGURE_TEXT_PX, or that do not record it; and each figure's measurement."""
+    shows under MIN_FIGURE_TEXT_PX, or that do not record it, or whose PNG records a legend over
+    data or text or a text cut at the edge (issue 45); and each figure's measurement."""
     problems, measured = [], []
     for fig in figures:
         src = fig["src"]
@@ -412,6 +414,7 @@ def figure_text_problems(figures: list[dict]) -> tuple[list[str], list[dict]]:
                 "without tools/notebook_startup.py (make notebooks names it in PYTHONSTARTUP)"
             )
             continue
+        problems += [f"{problem} ({fig['what']})" for problem in text.layout_problems]
         scale = fig["shown"] / text.width
         px = text.smallest_px * scale
         measured.append({"figure": fig["what"], "pt": text.smallest_pt, "dpi": text.dpi,

@@ -111,3 +111,31 @@ def test_the_notebooks_kernels_install_it_through_pythonstartup():
     )
     assert out.stdout.split() == ["_print_png_recording_text", "[]"], out.stdout + out.stderr
     assert "notebook_startup.py" in (ROOT / "Makefile").read_text()
+
+
+# --- Issue 45: a legend over data or text, a text cut at the edge --------------------------------
+def test_a_legend_over_a_label_or_a_line_and_a_cut_text_are_found():
+    fig = Figure(figsize=(4, 3), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0.5, 0.5], label="ring")
+    ax.set(ylabel="a label", title="chart")
+    ax.legend(loc="center")  # over the line
+    assert figure_text.layout_problems(fig) == ["the legend of 'chart' covers the line 'ring'"]
+    ax.legend(loc="center left", bbox_to_anchor=(-0.3, 0.5))  # over the y label instead
+    assert "covers the text 'a label'" in figure_text.layout_problems(fig)[0]
+    ax.legend(loc="lower left")
+    assert figure_text.layout_problems(fig) == []
+    fig.text(0.95, 0.5, "a note that runs past the edge")
+    assert figure_text.layout_problems(fig) == [
+        "the text 'a note that runs past the edge' is cut by the figure's edge"]
+
+
+def test_the_png_records_what_the_layout_hides(recording):
+    fig = Figure(figsize=(4, 3), dpi=100)
+    ax = fig.add_subplot()
+    ax.bar([0, 1], [1, 2], label="bars")
+    ax.legend(loc="upper left", bbox_to_anchor=(0.6, 1))
+    recorded = figure_text.read(png_of(fig, bbox_inches="tight"))
+    assert recorded.layout_problems and "covers a bar" in recorded.layout_problems[0]
+    ax.legend(loc="upper left")
+    assert figure_text.read(png_of(fig)).layout_problems == ()

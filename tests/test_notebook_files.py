@@ -4,6 +4,7 @@ The book build executes them; outputs saved in the source would go stale as the 
 and cells without ids make nbformat warn (and, from nbformat 6, fail) on every read.
 """
 
+import ast
 import importlib.util
 import json
 import re
@@ -140,3 +141,75 @@ def test_every_figure_has_alt_text(path):
         f"{path.name}: cells that draw without alt text saying what they show (add "
         '"mystnb": {"image": {"alt": "..."}} to the cell\'s metadata):\n' + "\n".join(missing)
     )
+
+
+# --- Issue 42, item 3: no machinery on the page ------------------------------------------------
+# The website shows the idea, not the course's plumbing: no glue call (or other use of
+# dpcourse.harness.prose), no import of the harness other than run_ranks and check, no cell that
+# starts or closes a pool of ranks. They go in cells tagged remove-cell (hidden on the website;
+# in the notebook they still run, top to bottom). Hidden cells say so in their first line.
+HIDDEN_TAGS = {"remove-cell", "remove-input"}
+SHOWN_IMPORTS = {("dpcourse.harness.launch", "run_ranks"), ("dpcourse.harness.exercises", "check")}
+# Pages another issue is rewriting now, to be done when it lands: issue 41 (FSDP) rewrites
+# chapters 9 and 11 and section 8.6 (its cells are named faults-c8-*).
+MACHINERY_PENDING = {"09_sharded_optimizers.ipynb", "11_sharding_at_scale.ipynb"}
+MACHINERY_PENDING_CELLS = re.compile(r"faults-c8-")
+
+
+def machinery_lines(notebook: dict) -> list[str]:
+    """``"cell N (id): line"`` for each statement of the course's machinery in a cell the website
+    shows."""
+    pools = set()
+    for cell in notebook["cells"]:
+        if cell["cell_type"] == "code":
+            pools |= set(re.findall(r"(\w+)\s*=\s*\[?RankPool\(", "".join(cell["source"])))
+    found = []
+    for i, cell in enumerate(notebook["cells"]):
+        if cell["cell_type"] != "code" or HIDDEN_TAGS & set(cell["metadata"].get("tags", [])):
+            continue
+        source = "".join(cell["source"])
+        lines = source.splitlines()
+        nodes = sorted(ast.walk(ast.parse(source)), key=lambda n: getattr(n, "lineno", 0))
+        for node in nodes:
+            machinery = False
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "dpcourse.harness"):
+                machinery = any((node.module, a.name) not in SHOWN_IMPORTS for a in node.names)
+            elif isinstance(node, ast.Import):
+                machinery = any(a.name.startswith("dpcourse.harness") for a in node.names)
+            elif isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                owner = getattr(func.value, "id", "") if isinstance(func, ast.Attribute) else ""
+                machinery = (name in ("glue", "RankPool") or owner == "prose"
+                             or (name == "close" and owner in pools | {"pool"}))
+            if machinery:
+                found.append(f"cell {i} ({cell.get('id')}): {lines[node.lineno - 1].strip()}")
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_machinery_on_the_page(path):
+    if path.name in MACHINERY_PENDING:
+        pytest.skip("issue 41 is rewriting this page; issue 45 hides its machinery after it lands")
+    shown = [line for line in machinery_lines(json.loads(path.read_text()))
+             if not MACHINERY_PENDING_CELLS.search(line)]
+    assert not shown, (
+        f"{path.name}: the website shows the course's machinery in {len(shown)} lines (glue, "
+        "harness imports other than run_ranks and check, pools of ranks): move them into a cell "
+        "tagged remove-cell that says in its first line what it does:\n  " + "\n  ".join(shown))
+
+
+def test_the_machinery_counter_sees_what_it_should():
+    cell = {"cell_type": "code", "id": "x", "metadata": {}, "outputs": [], "source": (
+        "from dpcourse.harness import prose\n"
+        "from dpcourse.harness.launch import RankPool, run_ranks\n"
+        "from dpcourse.harness.exercises import check\npool = RankPool(2).start()\n"
+        "t = run_ranks(f, 2)\nprose.glue('t', t)\npool.close()\n")}
+    found = machinery_lines({"cells": [cell]})
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "from dpcourse.harness import prose",
+        "from dpcourse.harness.launch import RankPool, run_ranks",
+        "pool = RankPool(2).start()", "prose.glue('t', t)", "pool.close()"]
+    cell["metadata"]["tags"] = ["remove-cell"]
+    assert machinery_lines({"cells": [cell]}) == []

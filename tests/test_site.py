@@ -146,6 +146,18 @@ def test_the_student_sites_archive_has_no_solution():
                 assert not any(c.get("outputs") for c in cells), f"{name} has outputs"
 
 
+def test_no_page_shows_a_path_of_the_machine_that_built_it():
+    """Outputs name files as site-packages/torch/... or src/dpcourse/... (_ext/machine_paths.py),
+    never under the folder the book was built in or with the folders before site-packages."""
+    absolute = re.compile(r"/[^\s'\"():]+/(?:site-packages|\.venv)/")
+    for site in (HTML, STUDENT_HTML):
+        for path in sorted(site.joinpath("chapters").glob("*.html")):
+            text = text_of(path.read_text())
+            assert str(ROOT) not in text, f"{path.name} names the build's folder {ROOT}"
+            found = absolute.findall(text)
+            assert not found, f"{path.name} shows the build machine's paths: {found[:3]}"
+
+
 # --- Issue 34: exercises as a learner meets them, and what works on the static site ---------
 EXERCISE_HEADING = re.compile(
     r'<div class="exercise admonition" id="([^"]+)">\s*<p class="admonition-title">'

@@ -1,4 +1,5 @@
-"""How small the text of the book's figures is, recorded in each figure's PNG (issue 34).
+"""How small the text of the book's figures is, and what their legends cover, recorded in each
+figure's PNG (issues 34 and 45).
 
 A figure's labels drawn at 9 pt are readable at the figure's own size and not at half of it: a
 page that shrinks a wide figure to fit its column shrinks the text with it (chapter 6's two-panel
@@ -11,6 +12,13 @@ back. ``tools/notebook_startup.py`` installs it in the kernels that execute the 
 (``make notebooks`` and ``make book`` name it in ``PYTHONSTARTUP``); a learner's kernel is left
 alone.
 
+The same kernel knows where each legend, label and bar ended up, which the PNG's pixels no longer
+say: :func:`layout_problems` lists a legend drawn over its axes' data (a line, a bar, a point, a
+bar's label) or over any text of the figure (an axis label, a tick label, a title: chapter 7's
+bar chart once hid the top tick and cut its y label to "ms per training step (media"), and a text
+cut by the figure's edge. The PNG records them too (:data:`_LAYOUT_KEY`), and the browser test
+fails the page that shows such a figure.
+
 Chapter 0: the course's tooling (the website's checks).
 """
 
@@ -18,14 +26,20 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from dataclasses import dataclass
 
+import matplotlib.image
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.legend import Legend
+from matplotlib.patches import Rectangle
 from matplotlib.text import Text
+from matplotlib.transforms import Bbox
 from PIL import Image, UnidentifiedImageError
 
 _KEY = "dpcourse:smallest-text-pt"
+_LAYOUT_KEY = "dpcourse:layout-problems"
 _POINTS_PER_INCH = 72
 _ORIGINAL_PRINT_PNG = FigureCanvasAgg.print_png
 
@@ -39,6 +53,7 @@ class FigureText:
     smallest_pt: float | None
     dpi: float | None
     width: int
+    layout_problems: tuple[str, ...] = ()
 
     @property
     def smallest_px(self) -> float | None:
@@ -71,14 +86,103 @@ def smallest_text_pt(fig: Figure) -> float | None:
     return min(sizes) if sizes else None
 
 
+def _shown_texts(fig: Figure) -> list[Text]:
+    """The texts the figure draws: not a legend's own, not an axes' turned off, not the labels of
+    ticks outside the axes' view (matplotlib keeps them, and does not draw them)."""
+    hidden: set[int] = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            slack = 1e-9 * (high - low)
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not low - slack <= tick.get_loc() <= high + slack:
+                    hidden.update((id(tick.label1), id(tick.label2)))
+        if not ax.axison:
+            hidden.update(id(text) for axis in (ax.xaxis, ax.yaxis) for text in axis.findobj(Text))
+        if not ax.get_visible():
+            hidden.update(id(text) for text in ax.findobj(Text))
+    legends = [text for legend in fig.findobj(Legend) for text in legend.findobj(Text)]
+    hidden.update(id(text) for text in legends)
+    return [text for text in fig.findobj(Text)
+            if text.get_visible() and text.get_text().strip() and id(text) not in hidden]
+
+
+def _covered_data(legend: Legend, box: Bbox, renderer) -> list[str]:
+    """What of its axes' data a legend drawn in ``box`` (display coordinates) covers."""
+    ax = legend.axes
+    if ax is None:  # a figure's legend: the data of every axes
+        axes = legend.figure.axes
+    else:
+        axes = [ax]
+    found = []
+    for each in axes:
+        for line in each.lines:
+            if not line.get_visible():
+                continue
+            path = line.get_transform().transform_path(line.get_path())
+            if box.count_contains(path.vertices) or path.intersects_bbox(box, filled=False):
+                found.append(f"the line {line.get_label()!r}")
+        for patch in each.patches:
+            if isinstance(patch, Rectangle) and patch.get_visible() and patch.get_height():
+                extent = patch.get_bbox().transformed(patch.get_data_transform())
+                if extent.width > 0 and extent.height > 0 and box.overlaps(extent):
+                    found.append(f"a bar ({patch.get_label() or 'unlabelled'})")
+        for collection in each.collections:
+            offsets = collection.get_offsets()
+            if collection.get_visible() and len(offsets):
+                points = collection.get_offset_transform().transform(offsets)
+                if box.count_contains(points):
+                    found.append(f"the points {collection.get_label()!r}")
+    return list(dict.fromkeys(found))
+
+
+def layout_problems(fig: Figure, renderer=None) -> list[str]:
+    """What the figure's layout hides: a legend over data of its axes or over a text of the figure
+    (axis labels, tick labels, titles, bars' labels), and texts cut by the figure's edge. Pass the
+    ``renderer`` the figure was just drawn with (as it is saved); without one, the figure is drawn
+    on an Agg canvas first."""
+    if renderer is None:
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+    problems = []
+    edge = fig.bbox.padded(1)
+    texts = _shown_texts(fig)
+    for text in texts:
+        extent = text.get_window_extent(renderer)
+        if extent.width and not (edge.contains(extent.x0, extent.y0)
+                                 and edge.contains(extent.x1, extent.y1)):
+            problems.append(f"the text {text.get_text()!r} is cut by the figure's edge")
+    for legend in fig.findobj(Legend):
+        if not legend.get_visible():
+            continue
+        box = legend.get_window_extent(renderer)
+        covered = _covered_data(legend, box, renderer)
+        covered += [f"the text {text.get_text()!r}" for text in texts
+                    if box.overlaps(text.get_window_extent(renderer))]
+        if covered:
+            where = legend.axes.get_title() if legend.axes is not None else "the figure"
+            problems.append(f"the legend of {where or 'an axes'!r} covers "
+                            + ", ".join(covered[:4]) + (" and more" if len(covered) > 4 else ""))
+    return problems
+
+
 def _print_png_recording_text(self, filename_or_obj, *, metadata=None, pil_kwargs=None, **_):
-    """FigureCanvasAgg.print_png, with the figure's smallest text size in the PNG's metadata.
-    ``**_``: what print_figure passes every backend (dpi, orientation, ...), which matplotlib
-    drops before calling its own print_png but not before calling a function of another module."""
+    """FigureCanvasAgg.print_png, with the figure's smallest text size and its layout problems in
+    the PNG's metadata. ``**_``: what print_figure passes every backend (dpi, orientation, ...),
+    which matplotlib drops before calling its own print_png but not before calling a function of
+    another module."""
     pt = smallest_text_pt(self.figure)
     if pt is not None:
         metadata = {**(metadata or {}), _KEY: f"{pt:g}"}
-    return _ORIGINAL_PRINT_PNG(self, filename_or_obj, metadata=metadata, pil_kwargs=pil_kwargs)
+    # What the original does (FigureCanvasAgg._print_pil: draw, then save the buffer), with the
+    # layout read from that one drawing in between.
+    FigureCanvasAgg.draw(self)
+    problems = layout_problems(self.figure, self.get_renderer())
+    if problems:
+        metadata = {**(metadata or {}), _LAYOUT_KEY: json.dumps(problems)}
+    matplotlib.image.imsave(filename_or_obj, self.buffer_rgba(), format="png", origin="upper",
+                            dpi=self.figure.dpi, metadata=metadata, pil_kwargs=pil_kwargs)
 
 
 def install() -> None:
@@ -111,5 +215,7 @@ def read(png: bytes | str) -> FigureText:
         raise ValueError("not a PNG: it lacks the PNG signature")
     pt = image.info.get(_KEY)
     dpi = image.info.get("dpi")  # from the pHYs chunk, in dots per inch (99.9998 for 100)
+    layout = tuple(json.loads(image.info.get(_LAYOUT_KEY, "[]")))
     return FigureText(smallest_pt=float(pt) if pt is not None else None,
-                      dpi=round(dpi[0], 1) if dpi else None, width=image.width)
+                      dpi=round(dpi[0], 1) if dpi else None, width=image.width,
+                      layout_problems=layout)

@@ -13,6 +13,14 @@ output shows nothing in JupyterLab or on the website. :func:`glued` reads the ke
 executed notebook; ``tests/test_prose_numbers.py`` uses it to check that every key the text
 quotes was glued.
 
+A sentence that compares or judges what the run measured ("overlap saved more than it cost",
+"only the last bucket is left after backward") must hold on every build, not only on the run it
+was written after. Either its words come from the run (glue a phrase chosen by the numbers,
+``glue("overlap_verdict", "saved" if gain > 0 else "cost")``), or a cell the website hides checks
+it with :func:`holds`, whose first argument is the sentence's own words: the build then fails, with
+the sentence and what was measured, on the run that contradicts it. The test checks that each
+claim is words of the page's text, so that a reworded sentence cannot leave its check behind.
+
 Chapter 0: the course's tooling (the book's text and its runs).
 """
 
@@ -22,6 +30,8 @@ import ast
 import re
 from collections.abc import Mapping
 from typing import Any
+
+__all__ = ["GLUE_PREFIX", "ProseMismatch", "compared", "glue", "glued", "holds"]
 
 # What myst_nb.glue(..., display=False) puts before each MIME type (myst_nb.ext.glue).
 GLUE_PREFIX = "application/papermill.record/"
@@ -83,3 +93,36 @@ def glued(notebook: Mapping) -> dict[str, str]:
                 value = plain
             found[record["name"]] = str(value)
     return found
+
+
+def compared(a: float, b: float, *, more: str, less: str, same: str, margin: float = 0.1) -> str:
+    """The words for how measurement ``a`` compares with ``b``: ``more`` where ``a`` exceeds
+    ``b`` by more than ``margin`` (a share of ``b``), ``less`` where it falls short of it by as
+    much, ``same`` otherwise; glue them into the sentence that compares the two."""
+    if a > b * (1 + margin):
+        return more
+    if a < b * (1 - margin):
+        return less
+    return same
+
+
+class ProseMismatch(AssertionError):
+    """A sentence of the book's text that this run contradicts."""
+
+
+def holds(claim: str, condition: bool, measured: str) -> None:
+    """Check that ``claim``, words of a sentence beside this cell, is true of this run.
+
+    ``condition`` is the claim computed from the run's numbers; ``measured`` says what those
+    numbers were, for the message. Raises :class:`ProseMismatch` naming both where the claim
+    does not hold: the sentence must then be reworded (or its words chosen by the numbers with
+    :func:`glue`), or the run looked into. ``tests/test_prose_numbers.py`` checks that ``claim``
+    is words of the page's text.
+    """
+    if not isinstance(claim, str) or not claim.strip():
+        raise ValueError("holds() takes the sentence's own words as its claim")
+    if not condition:
+        raise ProseMismatch(
+            f"the text says {claim!r}, but this run measured {measured}: reword the sentence, "
+            "or choose its words by the numbers (prose.glue), or find out why the run changed"
+        )

@@ -22,6 +22,7 @@ from matplotlib.ticker import FuncFormatter
 
 from dpcourse.collectives.commbench import bus_bandwidth
 from dpcourse.cost.hardware import rate_bits
+from dpcourse.plots import algorithm_colour
 
 __all__ = ["machine_line", "model_errors", "cluster_table",
            "plot_cluster_runs"]
@@ -90,13 +91,14 @@ def plot_cluster_runs(runs: Mapping[int, Mapping], source: str = "") -> plt.Figu
     first = runs[ns[0]]
     size, link = first["sizes"][-1], _rate(first["link"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.7), layout="constrained")
-    for j, name in enumerate(first["measured"]):
+    for name in first["measured"]:
         for kind, style in (("measured", "o"), ("model", "-")):
             times = [runs[n][kind][name][-1] for n in ns]
             busbw = [bus_bandwidth(size, t, n) * 8 / 1e9 for t, n in zip(times, ns, strict=True)]
             label = name if kind == "measured" else None
-            ax1.plot(ns, [t * 1e3 for t in times], style, color=f"C{j}", label=label)
-            ax2.plot(ns, busbw, style, color=f"C{j}", label=label)
+            ax1.plot(ns, [t * 1e3 for t in times], style, color=algorithm_colour(name),
+                     label=label)
+            ax2.plot(ns, busbw, style, color=algorithm_colour(name), label=label)
     ax2.axhline(rate_bits(first["link"]) / 1e9, color="grey", ls=":", label=f"link rate ({link})")
     ax1.set(yscale="log", ylabel="milliseconds per all-reduce",
             title=f"Time of one all-reduce of {_size(size)}")

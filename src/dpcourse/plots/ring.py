@@ -24,6 +24,7 @@ from matplotlib.colors import to_hex
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from dpcourse.collectives.ring import ring_schedule
+from dpcourse.plots import algorithm_colour
 
 __all__ = ["RingFrame", "ring_frames", "ring_figsize", "draw_ring_frame", "ring_animation",
            "ring_explorer"]
@@ -314,8 +315,9 @@ def plot_bytes_per_rank(
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     xs = list(range(2, max(world_sizes) + 1))
     for name, values in busiest.items():
-        (line,) = ax.plot(world_sizes, values, "o", label=f"{name} (counted)")
-        ax.plot(xs, [formulas[name](x) for x in xs], "-", color=line.get_color(), alpha=0.5)
+        colour = algorithm_colour(name)
+        ax.plot(world_sizes, values, "o", color=colour, label=f"{name} (counted)")
+        ax.plot(xs, [formulas[name](x) for x in xs], "-", color=colour, alpha=0.5)
     ax.set(
         xlabel="ranks N",
         ylabel="gradients sent by the busiest rank",

@@ -21,6 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from dpcourse.cost.noise_scale import tradeoff_examples
+from dpcourse.plots import algorithm_colour
 
 __all__ = ["plot_weak_scaling", "plot_weak_vs_strong", "plot_gradient_variants",
            "plot_measured_scaling", "plot_steps_to_target", "plot_two_level"]
@@ -179,7 +180,7 @@ def plot_two_level(result: Mapping, title: str) -> Figure:
     for j, name in enumerate(names):
         at = x + (j - 0.5) * 0.38
         measured = np.array(result["measured"][name]) * 1e3
-        ax.bar(at, measured, 0.36, label=f"{name}, measured", color=f"C{j}")
+        ax.bar(at, measured, 0.36, label=f"{name}, measured", color=algorithm_colour(name))
         ax.scatter(at, np.array(result["model"][name]) * 1e3, marker="_", s=600, color="black",
                    zorder=3, label="alpha-beta model (fitted links)" if j == 0 else None)
     ax.set_xticks(x, [f"{s / 2**20:g} MiB" for s in sizes])
