@@ -6,6 +6,9 @@ all-reduce was launched and completed (:class:`StepTimeline`); chapter 7 draws i
 :func:`dpcourse.plots.ddp.plot_timeline`. The timing code lives here, not in the DDP that
 chapter 7 shows: the recorder wraps the reducer's :meth:`~dpcourse.ddp.buckets.BucketManager.launch`
 and DDP's :meth:`~dpcourse.ddp.ddp.DDP.finish_at_end_of_backward` for one step.
+:func:`bucket_events` records, the same way, the reducer's own events in one backward (each
+gradient entering its bucket, each bucket's launch and completion), from which chapter 7 draws
+its animation of buckets filling and leaving (:func:`dpcourse.plots.ddp.bucket_animation`).
 
 Chapter 7: DDP's bucket timeline.
 """
@@ -17,7 +20,8 @@ from dataclasses import dataclass
 
 from dpcourse.timing import DeviceClock
 
-__all__ = ["BucketTiming", "StepTimeline", "timelines_from_json", "timed_backward"]
+__all__ = ["BucketEvent", "BucketTiming", "StepTimeline", "bucket_events", "timelines_from_json",
+           "timed_backward"]
 
 
 @dataclass
@@ -110,3 +114,57 @@ def timed_backward(ddp_model, loss) -> StepTimeline:
     ]
     return StepTimeline(backward_s, finished_s, sorted(timings, key=lambda t: t.index))
 
+
+
+@dataclass
+class BucketEvent:
+    """One event of the reducer in one backward: ``"ready"`` (the gradient of the parameter in
+    slot ``slot`` of bucket ``bucket`` entered it), ``"launched"`` or ``"completed"`` (the bucket's
+    all-reduce; ``slot`` is -1), ``seconds`` after backward started."""
+
+    kind: str
+    bucket: int
+    slot: int
+    seconds: float
+
+
+def bucket_events(ddp_model, loss) -> tuple[list[BucketEvent], list[list[int]]]:
+    """``loss.backward()`` and the synchronisation of a :class:`dpcourse.ddp.ddp.DDP`, recording
+    the reducer's own events in the order they happened (see :class:`BucketEvent`); and each
+    bucket's slots, their sizes in bytes. As :func:`timed_backward` does, the recorder wraps the
+    reducer's ``mark_ready`` and ``launch`` for this step only (host clock; on a GPU the order is
+    the order in which the host saw them)."""
+    reducer = ddp_model.reducer
+    mark_untracked, launch_untracked = reducer.mark_ready, reducer.launch
+    start = time.perf_counter()
+    events: list[BucketEvent] = []
+
+    def seconds() -> float:
+        return time.perf_counter() - start
+
+    def mark_ready_tracked(param, launch: bool) -> None:
+        bucket, k = reducer.where[param]
+        events.append(BucketEvent("ready", bucket.index, k, seconds()))
+        mark_untracked(param, launch)
+
+    def launch_tracked(bucket) -> None:
+        launch_untracked(bucket)
+        events.append(BucketEvent("launched", bucket.index, -1, seconds()))
+
+        def done(fut, index=bucket.index):
+            events.append(BucketEvent("completed", index, -1, seconds()))
+
+        bucket.work.get_future().then(done)
+
+    reducer.mark_ready, reducer.launch = mark_ready_tracked, launch_tracked
+    try:
+        loss.backward()
+        ddp_model.finish_gradient_synchronization()
+    finally:
+        del reducer.mark_ready, reducer.launch
+    deadline = time.perf_counter() + 1.0
+    launched = sum(e.kind == "launched" for e in events)
+    while sum(e.kind == "completed" for e in events) < launched and time.perf_counter() < deadline:
+        time.sleep(1e-4)  # the callbacks may run a moment after wait() returns
+    slots = [[p.numel() * p.element_size() for p in b.params] for b in reducer.buckets]
+    return sorted(events, key=lambda e: e.seconds), slots

@@ -1,5 +1,6 @@
-"""Plots of chapter 7: the communication timeline of DDP, step time against bucket size, and
-overlap on and off for each bucket size (on a slow link).
+"""Plots of chapter 7: the communication timeline of DDP, step time against bucket size, overlap
+on and off for each bucket size (on a slow link), and the animation of buckets filling during
+backward and leaving, drawn from the reducer's own events (:func:`bucket_animation`).
 
 Chapter 7: plots of DDP's timeline and bucket sizes.
 """
@@ -9,12 +10,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
+from matplotlib import animation
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
 
-from dpcourse.ddp.timeline import StepTimeline
+from dpcourse.ddp.timeline import BucketEvent, StepTimeline
 
-__all__ = ["plot_timeline", "plot_bucket_sizes", "plot_overlap", "overlap_table"]
+__all__ = ["bucket_animation", "plot_timeline", "plot_bucket_sizes", "plot_overlap",
+           "overlap_table"]
+
+# The colours of chapter 7's figures: backward's (the timeline's bars), an all-reduce's.
+BACKWARD, ALL_REDUCE, AVERAGED = "#4c72b0", "#dd8452", "#55a868"
 
 
 def _draw_timeline(ax: Axes, timeline: StepTimeline, title: str) -> None:
@@ -147,3 +154,67 @@ def overlap_table(medians: dict[str, float], over_none: dict[str, float], caps_m
             lines.append(f"{name:<23} {n:>7} {medians[name] * 1e3:9.1f} ms "
                          f"{over_none[name] * 1e3:7.1f} ms")
     return "\n".join(lines)
+
+
+def _bucket_states(events: Sequence[BucketEvent], slots: Sequence[Sequence[int]]) -> list[dict]:
+    """After each event (and before the first): which slots hold their gradient and each
+    bucket's state ("filling", "in flight", "averaged"), with a caption."""
+    ready = [[False] * len(s) for s in slots]
+    state = ["filling"] * len(slots)
+    frames = [{"ready": [r[:] for r in ready], "state": state[:],
+               "caption": "backward starts: every bucket is empty"}]
+    for e in events:
+        if e.kind == "ready":
+            ready[e.bucket][e.slot] = True
+            caption = f"{e.seconds * 1e3:.1f} ms: a gradient enters bucket {e.bucket}"
+        elif e.kind == "launched":
+            state[e.bucket] = "in flight"
+            caption = f"{e.seconds * 1e3:.1f} ms: bucket {e.bucket} is full: its all-reduce leaves"
+        else:
+            state[e.bucket] = "averaged"
+            caption = f"{e.seconds * 1e3:.1f} ms: bucket {e.bucket}'s all-reduce completed"
+        frames.append({"ready": [r[:] for r in ready], "state": state[:], "caption": caption})
+    return frames
+
+
+def bucket_animation(events: Sequence[BucketEvent], slots: Sequence[Sequence[int]],
+                     title: str, interval_ms: int = 900) -> animation.FuncAnimation:
+    """DDP's buckets during one backward, one frame per event of the reducer
+    (:func:`dpcourse.ddp.timeline.bucket_events`): each bucket a row of slots as wide as its
+    parameters' bytes, a slot filled when its gradient arrives, the bucket drawn in the
+    all-reduce's colour from its launch and in green once averaged. ``.to_jshtml()`` plays it on
+    a static page. Chapter 7, section 7.5."""
+    frames = _bucket_states(events, slots)
+    widest = max(sum(s) for s in slots)
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.55 * len(slots)), layout="constrained")
+
+    def draw(i: int) -> None:
+        frame = frames[i]
+        ax.clear()
+        for b, sizes in enumerate(slots):
+            y, left = len(slots) - 1 - b, 0.0
+            colour = {"filling": None, "in flight": ALL_REDUCE, "averaged": AVERAGED}[
+                frame["state"][b]]
+            for k, size in enumerate(sizes):
+                width = size / widest
+                filled = frame["ready"][b][k]
+                ax.add_patch(Rectangle((left, y - 0.35), width, 0.7, edgecolor="black", lw=0.8,
+                                       facecolor=(colour or BACKWARD) if filled else "white"))
+                left += width
+            ax.text(-0.01, y, f"bucket {b}", ha="right", va="center", fontsize=10)
+            ax.text(left + 0.01, y, frame["state"][b], ha="left", va="center", fontsize=10,
+                    color=colour or "black")
+        ax.set_xlim(-0.16, 1.2)
+        ax.set_ylim(-0.7, len(slots) - 0.3)
+        ax.axis("off")
+        ax.set_title(f"{title}\n{frame['caption']}", fontsize=11)
+
+    draw(0)
+    fig.legend(handles=[Patch(facecolor="white", edgecolor="black", label="no gradient yet"),
+                        Patch(facecolor=BACKWARD, label="gradient in (backward)"),
+                        Patch(facecolor=ALL_REDUCE, label="all-reduce in flight"),
+                        Patch(facecolor=AVERAGED, label="averaged")],
+               loc="outside lower center", ncols=4, fontsize=9)
+    anim = animation.FuncAnimation(fig, draw, frames=len(frames), interval=interval_ms)
+    plt.close(fig)  # the notebook shows the animation, not a stray still figure
+    return anim
