@@ -203,9 +203,10 @@ def test_measured_scaling_plot_step_times_with_model_bands_and_efficiency():
     ax1, ax2 = fig.axes
     assert list(ax1.lines[0].get_ydata()) == pytest.approx([10, 12, 20])  # ms
     assert len(ax1.collections) == 2  # one model band per kind
-    assert legend(ax1) == ["weak: DDP step, measured", "weak: model, overlap 2/3 to 0",
-                           "strong: DDP step, measured", "strong: model, overlap 2/3 to 0"]
-    assert legend(ax2) == ["weak scaling, measured", "strong scaling, measured"]
+    (below,) = fig.legends  # one legend under both panels: inside, it covered lines and bands
+    assert [t.get_text() for t in below.get_texts()] == [
+        "weak: DDP step, measured", "weak: model, overlap 2/3 to 0", "strong: DDP step, measured",
+        "strong: model, overlap 2/3 to 0", "weak scaling, measured", "strong scaling, measured"]
     assert ax1.get_title() == "DDP step of the MLP, 2 CPU cores"
     assert ax2.get_ylim() == (0, 1.2)
     assert ax1.get_xlabel() == ax2.get_xlabel() == "ranks N (N = 4 oversubscribed)"
@@ -218,7 +219,9 @@ def test_steps_to_target_plot_fit_and_tradeoff_curve():
     ax1, ax2 = fig.axes
     for ax in (ax1, ax2):
         assert ax.get_xscale() == ax.get_yscale() == "log"
-    assert legend(ax1) == ["measured (best learning rate)", "fit: S_min (1 + 20.0 / B)"]
+    (below,) = fig.legends
+    assert [t.get_text() for t in below.get_texts()][:2] == [
+        "measured (best learning rate)", "fit: S_min (1 + 20.0 / B)"]
     assert ax1.lines[2].get_xdata()[0] == 20.0  # B_crit
     assert ax1.get_ylabel() == "steps to loss 0.05" and ax1.get_title() == "a title"
     ratio, examples = ax2.lines[0].get_xdata(), ax2.lines[0].get_ydata()

@@ -12,6 +12,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dpcourse import collectives, runtime
 from dpcourse.harness.launch import run_ranks  # noqa: E402
+from dpcourse.plots import algorithm_colour  # noqa: E402
 from dpcourse.plots import ring as viz_ring  # noqa: E402
 
 
@@ -115,11 +116,12 @@ def test_cluster_plot_shows_time_and_bus_bandwidth_against_n_measured_and_modell
     assert labels == ["naive", "tree", "ring"]  # the title says which are measured, which model
     assert "measured (dots) against the alpha-beta model" in fig._suptitle.get_text()
     # the ring's modelled bus bandwidth stays near the link, the naive one's falls as beta / N
-    ring_model = [line for line in ax2.lines if line.get_color() == "C2" and
+    ring, naive = algorithm_colour("ring"), algorithm_colour("naive")  # one colour each, bookwide
+    ring_model = [line for line in ax2.lines if line.get_color() == ring and
                   line.get_linestyle() == "-"][0]
     busbw = ring_model.get_ydata()
     assert all(0.8 < b < 0.97 for b in busbw)  # Gbit/s: 0.96 less the latencies
-    naive_dots = [line for line in ax2.lines if line.get_color() == "C0" and
+    naive_dots = [line for line in ax2.lines if line.get_color() == naive and
                   line.get_marker() == "o"][0].get_ydata()
     assert naive_dots[0] / naive_dots[-1] > 3
     plt.close(fig)
@@ -189,3 +191,15 @@ def test_the_explorer_carries_every_frame_and_draws_without_a_kernel():
         viz_ring.explorer_frames(1)
     with pytest.raises(ValueError, match="world must be from 2"):
         viz_ring.ring_explorer(max_world=3, world=4)
+
+
+def test_each_algorithm_has_one_colour_across_the_book():
+    assert algorithm_colour("ring") == algorithm_colour("ring_all_reduce") == algorithm_colour(
+        "flat ring") == algorithm_colour("ring posted ahead")
+    assert algorithm_colour("naive_all_reduce") == algorithm_colour("line: N - 1")
+    assert algorithm_colour("two-level") != algorithm_colour("ring")
+    names = ("ring", "tree", "naive", "library", "halving-doubling")
+    colours = {algorithm_colour(n) for n in names}
+    assert len(colours) == 5
+    with pytest.raises(KeyError, match="add it"):
+        algorithm_colour("butterfly")

@@ -95,7 +95,7 @@ def plot_gradient_variants(
                 label=f"{dtype} gradients, {label} ({buckets[dtype, label]})")
     ax.set(xlabel="GPUs N", ylabel="weak-scaling efficiency (modelled)", title=title)
     _gpu_axis(ax, world_sizes, target=None)
-    ax.legend(fontsize=9)
+    ax.legend(fontsize=9, loc="lower left")  # the curves start at 1 and fall to the right
     return fig
 
 
@@ -112,7 +112,7 @@ def plot_measured_scaling(
     in ms, and a band of its colour between the model's step times ``model_s[kind]`` = (with
     overlap, without). Right: the measured efficiency ``efficiency[kind]`` at each rank count.
     ``where`` (the machine) goes in the left title. Chapter 10, section 10.6."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.4), layout="constrained")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 4.0), layout="constrained")
     for (kind, steps), marker in zip(step_s.items(), itertools.cycle("os^D")):
         (line,) = ax1.plot(ranks, np.array(steps) * 1e3, marker + "-",
                            label=f"{kind}: DDP step, measured")
@@ -127,8 +127,18 @@ def plot_measured_scaling(
             title="Measured scaling efficiency")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=9)
+    _legend_below(fig, ax1, ax2)
     return fig
+
+
+def _legend_below(fig: Figure, *axes: Axes, ncols: int = 3) -> None:
+    """One legend for the panels, below them (inside, "best" still covered lines or bands)."""
+    handles, labels = [], []
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.append(handle)
+            labels.append(label)
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=9)
 
 
 def plot_steps_to_target(
@@ -145,7 +155,7 @@ def plot_steps_to_target(
     trade-off curve ``(S/S_min - 1)(E/E_min - 1) = 1`` of
     :func:`~dpcourse.cost.noise_scale.tradeoff_examples` and the measured points scaled by the fit,
     each labelled with its batch size. Chapter 10, section 10.8."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.4), layout="constrained")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.9), layout="constrained")
     bs = np.array(batches, dtype=float)
     grid = np.logspace(0, np.log10(batches[-1]), 100)
     ax1.plot(bs, steps, "o", label="measured (best learning rate)")
@@ -165,7 +175,7 @@ def plot_steps_to_target(
             title="Steps against examples")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=9)
+    _legend_below(fig, ax1, ax2, ncols=2)
     return fig
 
 
