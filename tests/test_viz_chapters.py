@@ -145,7 +145,11 @@ def test_fsdp_timeline_a_row_per_layer_a_bar_per_event():
     assert len(top.patches) == 6 and len(bottom.patches) == 3
     assert [t.get_text() for t in top.get_yticklabels()] == ["layer 0", "layer 1"]
     assert "synchronised after 9.0 ms" in top.get_title(loc="left")
-    assert legend(top) == ["all-gather", "forward", "backward", "reduce-scatter"]
+    (below,) = fig.legends  # under the panels, off the last layer's row
+    assert [t.get_text() for t in below.get_texts()] == [
+        "all-gather", "forward", "backward", "reduce-scatter"]
+    colours = {p.get_facecolor() for p in top.patches}
+    assert len(colours) == 4  # forward and backward no longer two similar greys
     assert top.lines[0].get_xdata()[0] == pytest.approx(9.0)
 
 
@@ -240,3 +244,28 @@ def test_two_level_plot_has_bars_per_algorithm_and_the_model_as_ticks():
     assert len(ax.patches) == 4 and ax.get_yscale() == "log"
     assert set(legend(ax)) == {"alpha-beta model (fitted links)", "flat ring, measured",
                                "two-level, measured"}
+
+
+def test_chapter_11s_strategies_one_panel_each_and_no_figure_hides_its_data():
+    from dpcourse.harness import figure_text
+    from dpcourse.plots import ddp as viz_ddp
+    from dpcourse.plots import sharding_at_scale as viz_scale
+
+    rates = [1e8, 4e8, 4e9]
+    runs = [{"rate_bits": r, "measured": {"ddp": 0.1, "fsdp": 0.2, "hsdp": 0.15, "compute": 0.05}}
+            for r in rates]
+    curves = {"emulated": {s: [0.3, 0.1, 0.06] for s in ("ddp", "fsdp", "hsdp")},
+              "a card per GPU": {s: [0.2, 0.08, 0.05] for s in ("ddp", "fsdp", "hsdp")}}
+    fig = viz_scale.plot_strategies(runs, curves, rates, "2 nodes x 2 ranks")
+    assert [ax.get_title() for ax in fig.axes] == ["DDP", "FSDP", "HSDP"]
+    assert all(len(ax.lines) == 4 for ax in fig.axes)  # 2 model views, measured, compute
+    events = [("0", "all-gather", 0.0, 0.002), ("0", "forward", 0.002, 0.003),
+              ("0", "backward", 0.005, 0.007), ("0", "reduce-scatter", 0.007, 0.008),
+              ("step", "finished", 0.009, 0.009)]
+    figures = [fig, viz_zero.plot_fsdp_timeline({"a": events, "b": events}, "t"),
+               viz_ddp.plot_overlap([0.1, 1], [0.22, 0.23], [0.23, 0.24], [6, 1],
+                                    {"none": 0.155, "none + predicted": 0.21}, "t", "s"),
+               viz_scaling.plot_steps_to_target([1, 4, 16, 64], [2000, 600, 220, 130], 100.0,
+                                                2000.0, 20.0, 0.05, "a title")]
+    for each in figures:
+        assert figure_text.layout_problems(each) == []

@@ -18,7 +18,9 @@ from matplotlib.figure import Figure
 
 __all__ = ["plot_memory_per_rank", "plot_state_per_rank", "plot_fsdp_timeline"]
 
-_FSDP_COLOURS = {"all-gather": "tab:blue", "forward": "tab:grey", "backward": "dimgrey",
+# Forward and backward in two colours a reader tells apart (they were two similar greys), the
+# collectives in the colours of the ring's phases.
+_FSDP_COLOURS = {"all-gather": "tab:blue", "forward": "#8172b3", "backward": "#4d4d4d",
                  "reduce-scatter": "tab:orange"}
 
 
@@ -101,8 +103,15 @@ def plot_fsdp_timeline(timelines: Mapping[str, Sequence[tuple[str, str, float, f
             seen.add(kind)
         ax.set_yticks(range(len(layers)), [f"layer {n}" for n in layers])
         ax.invert_yaxis()
-        ax.legend(fontsize=9, loc="lower right", ncol=4)
     axes[-1, 0].set_xlabel("time since the step began (ms)")
+    # One legend under the panels: inside each, it covered the last layer's row.
+    handles = {}
+    for ax in axes[:, 0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    kinds = [k for k in _FSDP_COLOURS if k in handles]
+    fig.legend([handles[k] for k in kinds], kinds, fontsize=9, loc="outside lower center",
+               ncols=4)
     fig.suptitle(title, fontsize=9)
     return fig
 
@@ -127,8 +136,13 @@ def plot_stream_trace(trace: dict, title: str) -> Figure:
                                *(e[0] for e in trace["events"])]))
     fig, ax = plt.subplots(figsize=(8, 0.6 + 0.55 * len(rows)), layout="constrained")
     seen = set()
+    # A kernel of a few microseconds in a step of tens of milliseconds is under a pixel wide:
+    # every bar is drawn at least 1/300 of the step, so that each shows where it ran.
+    span = max((e[4] for e in trace["events"]), default=0.0) - min(
+        (e[3] for e in trace["events"]), default=0.0)
+    shortest = span / 300
     for row, kind, _, start, end in trace["events"]:
-        ax.barh(rows.index(row), max(end - start, 2e-6) * 1e3, left=start * 1e3, height=0.6,
+        ax.barh(rows.index(row), max(end - start, shortest) * 1e3, left=start * 1e3, height=0.6,
                 color=_GPU_COLOURS.get(kind, "tab:gray"), label=None if kind in seen else kind)
         seen.add(kind)
     ax.set_yticks(range(len(rows)), [_stream_label(r) for r in rows])

@@ -49,27 +49,39 @@ def plot_knobs(results: Mapping[str, Mapping[str, Mapping]], title: str) -> Figu
 
 def plot_strategies(runs: Sequence[Mapping], curves: Mapping[str, Mapping[str, Sequence]],
                     rates_bits: Sequence[float], title: str) -> Figure:
-    """Step time against the link rate between nodes: each strategy's measured medians (``runs``
-    of :func:`dpcourse.harness.bench.hsdp.measure_strategies`) as points, and ``curves``
-    (``{"emulated": {strategy: seconds at each of rates_bits}, ...}``, the model) as lines,
-    solid for the first view and dashed for the others. Log-log. Chapter 11."""
-    fig, ax = plt.subplots(figsize=(8.4, 5.6), layout="constrained")
+    """Step time against the link rate between nodes, one panel per strategy (DDP, FSDP, HSDP;
+    on one chart their six model lines, three series of points and the compute's crosses hid
+    each other): its measured medians (``runs`` of
+    :func:`dpcourse.harness.bench.hsdp.measure_strategies`) as points, ``curves``
+    (``{"emulated": {strategy: seconds at each of rates_bits}, ...}``, the model) as lines, solid
+    for the first view and dashed for the others, and the model alone (compute) as crosses, the
+    same in each panel. Log-log, the same axes in each panel. Chapter 11."""
+    strategies = list(COLOURS)
+    fig, axes = plt.subplots(1, len(strategies), figsize=(8.4, 3.9), layout="constrained",
+                             sharex=True, sharey=True)
     mbit = np.asarray(rates_bits) / 1e6
-    for v, (view, by_strategy) in enumerate(curves.items()):
-        for s, seconds in by_strategy.items():
-            ax.plot(mbit, np.asarray(seconds) * 1e3, "-" if v == 0 else "--",
-                    color=COLOURS[s], alpha=1.0 if v == 0 else 0.6,
-                    label=f"{LABELS[s]}, model ({view})")
-    for s in COLOURS:
-        xs = [r["rate_bits"] / 1e6 for r in runs]
-        ys = [r["measured"][s] * 1e3 for r in runs]
-        ax.plot(xs, ys, "o", color=COLOURS[s], markersize=7, label=f"{LABELS[s]}, measured")
+    measured_at = [r["rate_bits"] / 1e6 for r in runs]
     compute = [r["measured"]["compute"] * 1e3 for r in runs]
-    ax.plot([r["rate_bits"] / 1e6 for r in runs], compute, "x", color="grey",
-            label="the model alone (compute)")
-    ax.set(xscale="log", yscale="log", xlabel="link between nodes (Mbit/s)",
-           ylabel="step time (ms)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    fig.legend(fontsize=9, ncol=3, loc="outside lower center")
+    for ax, s in zip(axes, strategies, strict=True):
+        for v, (view, by_strategy) in enumerate(curves.items()):
+            if s in by_strategy:
+                ax.plot(mbit, np.asarray(by_strategy[s]) * 1e3, "-" if v == 0 else "--",
+                        color=COLOURS[s], alpha=1.0 if v == 0 else 0.6,
+                        label=f"model ({view})")
+        ax.plot(measured_at, [r["measured"][s] * 1e3 for r in runs], "o", color=COLOURS[s],
+                markersize=6, label="measured")
+        ax.plot(measured_at, compute, "x", color="grey", label="the model alone (compute)")
+        ax.set(xscale="log", yscale="log", title=LABELS[s])
+        ax.grid(alpha=0.3, which="both")
+        ax.set_xlabel("link between nodes (Mbit/s)")
+    axes[0].set_ylabel("step time (ms)")
+    fig.suptitle(title, fontsize=10)
+    # The line styles and markers mean the same in every panel: one legend, in grey, below.
+    handles = [plt.Line2D([], [], color="black", ls="-" if v == 0 else "--",
+                          alpha=1.0 if v == 0 else 0.6, label=f"model ({view})")
+               for v, view in enumerate(curves)]
+    handles += [plt.Line2D([], [], color="black", marker="o", ls="", label="measured"),
+                plt.Line2D([], [], color="grey", marker="x", ls="",
+                           label="the model alone (compute)")]
+    fig.legend(handles=handles, fontsize=9, ncols=len(handles), loc="outside lower center")
     return fig
