@@ -186,5 +186,9 @@ def plot_will_it_fit(
     per_param = needs[0].total / max(next(iter(model_sizes.values())), 1)
     ax.set_title(f"{optimizer}, {bytes_per_param} bytes per value: {per_param:.0f} bytes per "
                  "parameter")
-    ax.legend(loc="upper left")
+    # Above the tallest bar and line (the GPUs' lines cross the whole width, under any legend
+    # placed beside them): the y axis goes that much higher.
+    top = max(max(bottoms), *gpus.values()) if gpus else max(bottoms)
+    ax.set_ylim(0, top * (1.5 + 0.12 * len(gpus)))
+    ax.legend(loc="upper left", fontsize=9, ncols=2)
     return ax

@@ -116,7 +116,10 @@ def plot_phase_times(
         bottom += values
     ax.set_xlabel("replicas (devices)")
     ax.set_ylabel("ms per step")
-    ax.legend(fontsize=9, ncol=2)
+    # Room above the tallest bar for the legend, which covered the bars inside the axes.
+    rows = -(-sum(phases is None or p in phases for p in every) // 2)
+    ax.set_ylim(0, max(bottom) * (1.15 + 0.17 * rows))
+    ax.legend(fontsize=9, ncol=2, loc="upper left")
     ax.grid(True, axis="y", alpha=0.3)
     return ax
 
