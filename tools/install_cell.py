@@ -47,8 +47,9 @@ CELL_ID = "install-dpcourse"
 TAGS = ["hide-cell"]
 
 TEMPLATE = '''\
-# Colab, Kaggle, the course's archive or a bare Jupyter: install the course's package if it is
-# missing, keeping the machine's torch ("Run it on your machine" says more). Else: nothing.
+# Colab, Kaggle, the course's archive or a bare Jupyter: install the
+# course's package if it is missing, keeping the machine's torch (the page
+# "Run it on your machine" says more). Where it is installed: nothing.
 try:
     import dpcourse  # noqa: F401
 except ImportError:
@@ -57,28 +58,32 @@ except ImportError:
     import sys
     from pathlib import Path
 
-    SITE = "{site}"  # _config.yml's html.baseurl; written by tools/install_cell.py
+    SITE = "{site}"  # _config.yml's html.baseurl (tools/install_cell.py)
     REPOSITORY = "{repository}"  # _config.yml's repository.url
-    wheels = sorted(Path.cwd().glob("dpcourse-*.whl"))  # the archive's, beside the notebook
+    # The course's archive has the package's wheel beside the notebooks.
+    wheels = sorted(Path.cwd().glob("dpcourse-*.whl"))
     if wheels:
         package = [str(wheels[-1])]
     elif SITE:
-        package = ["--no-index", "--find-links", f"{{SITE.rstrip('/')}}/downloads/index.html",
-                   "dpcourse"]
+        index = f"{{SITE.rstrip('/')}}/downloads/index.html"
+        package = ["--no-index", "--find-links", index, "dpcourse"]
     elif REPOSITORY:
         package = [f"dpcourse @ git+{{REPOSITORY}}"]
     else:
         raise ImportError(
-            "dpcourse is not installed, and this notebook has no wheel beside it. Download the "
-            "course from any page of its website (the download menu's 'course .zip': every "
-            "notebook with the package's wheel), unpack it and open this notebook from there; "
-            "or put the website's 'dpcourse .whl' beside this notebook. In a clone of the "
-            "course: pip install -e . ; to keep an installed torch: pip install --no-deps -e . "
-            "&& pip install {needs}"
+            "dpcourse is not installed, and this notebook has no wheel "
+            "beside it. Download the course from any page of its website "
+            "(the download menu's 'course .zip': every notebook with the "
+            "package's wheel), unpack it and open this notebook from there; "
+            "or put the website's 'dpcourse .whl' beside this notebook. In a "
+            "clone of the course: pip install -e . ; to keep an installed "
+            "torch: pip install --no-deps -e . && "
+            "pip install {needs}"
         ) from None
     pip = [sys.executable, "-m", "pip", "install", "--quiet"]
     subprocess.run([*pip, "--no-deps", *package], check=True)
-    missing = [name for name in ({needs_list},) if importlib.util.find_spec(name) is None]
+    missing = [name for name in ({needs_list},)
+               if importlib.util.find_spec(name) is None]
     if missing:  # Colab and Kaggle have them all
         subprocess.run([*pip, *missing], check=True)
     importlib.invalidate_caches()
