@@ -575,7 +575,8 @@ GENERAL: dict[str, dict[str, str]] = {
         RECORDED_RUN: "In the three runs recorded | In the course's CI",
         MECHANISM: "Whether overlap *saves time* depends | On a GPU, NCCL's collectives"
         " | The mechanism is the same | On a slower CPU | On a busy machine it hides less"
-        " | The variants take turns | On a busy machine other programs blur",
+        " | The variants take turns | On a busy machine other programs blur"
+        " | Ours does the same, so it is a drop-in",
     },
     "08_training_at_scale": {
         MECHANISM: "On a CPU, | CPUs have little float16 arithmetic) | On NVIDIA GPUs float16"
