@@ -150,10 +150,6 @@ def test_every_figure_has_alt_text(path):
 # in the notebook they still run, top to bottom). Hidden cells say so in their first line.
 HIDDEN_TAGS = {"remove-cell", "remove-input"}
 SHOWN_IMPORTS = {("dpcourse.harness.launch", "run_ranks"), ("dpcourse.harness.exercises", "check")}
-# Pages another issue is rewriting now, to be done when it lands: issue 41 (FSDP) rewrites
-# chapters 9 and 11 and section 8.6 (its cells are named faults-c8-*).
-MACHINERY_PENDING = {"09_sharded_optimizers.ipynb", "11_sharding_at_scale.ipynb"}
-MACHINERY_PENDING_CELLS = re.compile(r"faults-c8-")
 
 
 def machinery_lines(notebook: dict) -> list[str]:
@@ -190,10 +186,7 @@ def machinery_lines(notebook: dict) -> list[str]:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_no_machinery_on_the_page(path):
-    if path.name in MACHINERY_PENDING:
-        pytest.skip("issue 41 is rewriting this page; issue 45 hides its machinery after it lands")
-    shown = [line for line in machinery_lines(json.loads(path.read_text()))
-             if not MACHINERY_PENDING_CELLS.search(line)]
+    shown = machinery_lines(json.loads(path.read_text()))
     assert not shown, (
         f"{path.name}: the website shows the course's machinery in {len(shown)} lines (glue, "
         "harness imports other than run_ranks and check, pools of ranks): move them into a cell "

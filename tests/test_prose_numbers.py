@@ -695,8 +695,6 @@ def stray_values(nb: dict) -> list[str]:
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
 def test_no_cell_on_the_page_shows_a_stray_value(path):
-    if path.name in ("09_sharded_optimizers.ipynb", "11_sharding_at_scale.ipynb"):
-        pytest.skip("issue 41 is rewriting this page; issue 45 hides its machinery after it lands")
     stray = stray_values(load(executed_copy(path)))
     assert not stray, (f"{path.name}: cells on the page show a value left as their last "
                        f"expression (end the cell with a statement, or hide it): {stray}")
