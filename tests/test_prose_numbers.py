@@ -617,15 +617,8 @@ GENERAL: dict[str, dict[str, str]] = {
 }
 
 
-# Pages another issue is rewriting now, checked once it lands: issue 41 (FSDP) rewrites chapters 9
-# and 11.
-COMPARISONS_PENDING = {"09_sharded_optimizers", "11_sharding_at_scale"}
-
-
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
 def test_every_sentence_that_compares_beside_a_measurement_follows_from_the_run(path):
-    if path.stem in COMPARISONS_PENDING:
-        pytest.skip("issue 41 is rewriting this page; issue 45 checks its sentences after it lands")
     nb = load(path)
     missing = unguarded(nb, general(path.stem))
     assert not missing, (

@@ -269,3 +269,46 @@ def test_chapter_11s_strategies_one_panel_each_and_no_figure_hides_its_data():
                                                 2000.0, 20.0, 0.05, "a title")]
     for each in figures:
         assert figure_text.layout_problems(each) == []
+
+
+def test_who_holds_what_draws_each_ranks_share_at_each_stage():
+    whole = {"parameters": 400, "gradients": 400, "optimizer_state": 800}
+    half = {k: v // 2 for k, v in whole.items()}
+    held = [{0: whole, 1: dict(whole, optimizer_state=400), 3: half} for _ in range(2)]
+    fig = viz_zero.plot_holdings(held)
+    assert len(fig.axes) == 3 * 2  # a row per stage, a panel per rank
+    stage3_rank1 = fig.axes[5]
+    filled = [p for p in stage3_rank1.patches if p.get_facecolor()[:3] != (1.0, 1.0, 1.0)]
+    assert len(filled) == 3 and all(p.get_x() == 0.5 and p.get_width() == 0.5 for p in filled)
+    labels = [t.get_text() for t in fig.axes[2].texts]  # stage 1, rank 0, and its name
+    assert labels == ["100%", "100%", "50%", "ZeRO-1: optimizer state sharded"]
+
+
+def test_the_gather_animation_holds_a_layer_from_its_gather_to_its_free():
+    events = [("0", "all-gather", 0.000, 0.002), ("0", "forward", 0.002, 0.003),
+              ("1", "all-gather", 0.002, 0.004), ("1", "forward", 0.004, 0.005),
+              ("1", "all-gather", 0.005, 0.006), ("1", "backward", 0.006, 0.007),
+              ("1", "reduce-scatter", 0.007, 0.008), ("0", "all-gather", 0.007, 0.0075),
+              ("0", "backward", 0.0075, 0.009), ("0", "reduce-scatter", 0.009, 0.010),
+              ("step", "finished", 0.011, 0.011)]
+    frames = viz_zero._gathered_over_step(events)
+    states = [f["gathered"] for f in frames]
+    assert states[0] == {"0": None, "1": None}
+    assert {"0": "forward", "1": None} in states and {"0": None, "1": "backward"} in states
+    assert {"0": "backward", "1": None} in states and states[-1] == {"0": None, "1": None}
+    anim = viz_zero.fsdp_gather_animation(events, 2, "two layers")
+    assert anim.to_jshtml().count("data:image/png;base64") >= len(frames)
+
+
+def test_the_hsdp_mesh_draws_the_groups_the_ranks_report():
+    from dpcourse.plots import sharding_at_scale as viz_scale
+
+    ranks = [{"shard_group": [0, 1] if r < 2 else [2, 3], "replicate_group": [r % 2, r % 2 + 2],
+              "rows": (6 * (r % 2), 6 * (r % 2) + 6), "of": 12} for r in range(4)]
+    fig = viz_scale.plot_hsdp_mesh(ranks)
+    (ax,) = fig.axes
+    texts = [t.get_text() for t in ax.texts]
+    assert "rank 3\nrows 6-11\nof 12" in texts
+    assert sum(t.startswith("replicate\ngroup") for t in texts) == 2
+    assert sum(t.startswith("node ") for t in texts) == 2
+    assert len([line for line in ax.lines if line.get_linestyle() == "--"]) == 2

@@ -1,5 +1,7 @@
-"""Plots of chapter 9: memory per rank under ZeRO, the optimizer state each rank holds, and a
-timeline of FSDP's gathers, compute and reduce-scatters.
+"""Plots of chapter 9: memory per rank under ZeRO, the optimizer state each rank holds, a
+timeline of FSDP's gathers, compute and reduce-scatters, who holds what at each stage (from the
+bytes each rank's tensors hold, :func:`plot_holdings`), and FSDP's layers gathered and freed over
+a step (from the step's recorded events, :func:`fsdp_gather_animation`).
 
 Each function takes what the chapter has already computed (bytes per rank from
 :func:`~dpcourse.sharding.zero_memory.zero_memory_per_rank`, state bytes measured by
@@ -14,9 +16,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import matplotlib.pyplot as plt
+from matplotlib import animation
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
 
-__all__ = ["plot_memory_per_rank", "plot_state_per_rank", "plot_fsdp_timeline"]
+__all__ = ["fsdp_gather_animation", "plot_fsdp_timeline", "plot_holdings",
+           "plot_memory_per_rank", "plot_state_per_rank"]
 
 # Forward and backward in two colours a reader tells apart (they were two similar greys), the
 # collectives in the colours of the ring's phases.
@@ -151,3 +156,126 @@ def plot_stream_trace(trace: dict, title: str) -> Figure:
     fig.legend(fontsize=9, loc="outside lower center", ncol=3)  # off the bars
     ax.set_title(title, fontsize=9, loc="left")
     return fig
+
+
+# Who holds what: one colour per part of the training state, as chapter 1's memory breakdown.
+_PARTS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868"}
+_STAGES = {0: "plain data parallelism", 1: "ZeRO-1: optimizer state sharded",
+           2: "ZeRO-2: + gradients", 3: "ZeRO-3 / FSDP: + parameters"}
+
+
+def plot_holdings(held_by_rank: Sequence[Mapping[int, Mapping[str, int]]]) -> Figure:
+    """Who holds what at each ZeRO stage: a row per stage, a panel per rank, and in each a bar
+    per part of the training state (parameters, gradients, optimizer state) as long as the whole
+    model's, filled over what the rank holds: the whole bar where it holds all of it, its own
+    slice (rank r's r-th) where it holds a shard; a label gives the share. ``held_by_rank[r]``
+    is rank r's ``{stage: {part: bytes}}`` as counted on its tensors after a step (stage 0's
+    bytes are the whole model's). Chapter 9."""
+    world = len(held_by_rank)
+    stages = sorted(held_by_rank[0])
+    fig, axes = plt.subplots(len(stages), world, figsize=(8.4, 0.45 + 0.95 * len(stages)),
+                             sharex=True, layout="constrained", squeeze=False)
+    for row, stage in enumerate(stages):
+        for rank in range(world):
+            ax = axes[row, rank]
+            for k, (part, colour) in enumerate(_PARTS.items()):
+                whole = held_by_rank[rank][stages[0]][part]
+                share = held_by_rank[rank][stage][part] / whole
+                y = len(_PARTS) - 1 - k
+                ax.add_patch(Rectangle((0, y - 0.35), 1, 0.7, facecolor="white",
+                                       edgecolor="#999999", lw=0.6))
+                sharded = share < 0.75
+                left, width = (rank / world, min(share, 1.0)) if sharded else (0, min(share, 1))
+                ax.add_patch(Rectangle((left, y - 0.35), width, 0.7, facecolor=colour))
+                ax.text(1.02, y, f"{share:.0%}", va="center", fontsize=9)
+            ax.set(xlim=(0, 1.25), ylim=(-0.6, len(_PARTS) - 0.4))
+            ax.set_yticks(range(len(_PARTS)),
+                          [p.replace("_", " ") for p in reversed(_PARTS)] if rank == 0 else [])
+            ax.set_xticks([])
+            ax.tick_params(labelsize=9, length=0)
+            for side in ("top", "right", "bottom", "left"):
+                ax.spines[side].set_visible(False)
+            if row == 0:  # at the right: the stage's name is at the left
+                ax.set_title(f"rank {rank}", fontsize=10, loc="right")
+        axes[row, 0].annotate(_STAGES.get(stage, f"stage {stage}"), (0, 1),
+                              xycoords="axes fraction", fontsize=9, fontweight="bold",
+                              va="bottom")
+    fig.suptitle("Who holds what after one step, counted on each rank's tensors "
+                 "(bar: the whole model's; filled: what this rank holds)", fontsize=10)
+    return fig
+
+
+def _gathered_over_step(events: Sequence[tuple[str, str, float, float]]) -> list[dict]:
+    """From a step's recorded events (``(layer, kind, start, end)``, as
+    :func:`plot_fsdp_timeline` takes them): the frames of the layers gathered over the step. A
+    layer is gathered from the end of an all-gather until the end of the compute it was gathered
+    for (forward: freed after the layer's forward; backward: after its reduce-scatter starts),
+    sharded otherwise."""
+    layers = sorted({e[0] for e in events if e[0] != "step"}, key=str)
+    spans: dict[str, list[tuple[float, float, str]]] = {layer: [] for layer in layers}
+    for layer in layers:
+        own = sorted((e for e in events if e[0] == layer), key=lambda e: e[2])
+        gathers = [e for e in own if e[1] == "all-gather"]
+        for gather, (kind, until) in zip(gathers, (("forward", "forward"),
+                                                   ("backward", "reduce-scatter")), strict=False):
+            ends = [e[2] if until == "reduce-scatter" else e[3]
+                    for e in own if e[1] == until and e[2] >= gather[2]]
+            if ends:
+                spans[layer].append((gather[3], ends[0], kind))
+    times = sorted({t for spans_ in spans.values() for a, b, _ in spans_ for t in (a, b)})
+    frames = [{"at": 0.0, "gathered": {layer: None for layer in layers},
+               "caption": "the step starts: every layer holds only its shard"}]
+    for t in times:
+        gathered = {layer: next((kind for a, b, kind in spans[layer] if a <= t < b), None)
+                    for layer in layers}
+        changed = [layer for layer in layers if gathered[layer] != frames[-1]["gathered"][layer]]
+        if not changed:
+            continue
+        what = ", ".join(
+            f"layer {layer} " + (f"gathered for {gathered[layer]}" if gathered[layer] else "freed")
+            for layer in changed)
+        frames.append({"at": t, "gathered": gathered, "caption": f"{t * 1e3:.1f} ms: {what}"})
+    return frames
+
+
+def fsdp_gather_animation(events: Sequence[tuple[str, str, float, float]], world: int,
+                          title: str, interval_ms: int = 900) -> animation.FuncAnimation:
+    """FSDP's layers over one step, from its recorded events (:func:`_gathered_over_step`): a
+    row per layer, its parameters' rows as a bar, this rank's shard (1/``world`` of the rows)
+    always filled, the whole bar filled while the layer is gathered (for forward or for backward)
+    and emptied again when it is freed. ``.to_jshtml()`` plays it on a static page. Chapter 9."""
+    frames = _gathered_over_step(events)
+    layers = list(frames[0]["gathered"])
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.5 * len(layers)), layout="constrained")
+    colours = {"forward": _FSDP_COLOURS["forward"], "backward": _FSDP_COLOURS["backward"]}
+
+    def draw(i: int) -> None:
+        frame = frames[i]
+        ax.clear()
+        for row, layer in enumerate(layers):
+            y = len(layers) - 1 - row
+            kind = frame["gathered"][layer]
+            ax.add_patch(Rectangle((0, y - 0.35), 1, 0.7, facecolor="white",
+                                   edgecolor="black", lw=0.8))
+            if kind:
+                ax.add_patch(Rectangle((0, y - 0.35), 1, 0.7, facecolor=colours[kind],
+                                       alpha=0.55))
+            ax.add_patch(Rectangle((0, y - 0.35), 1 / world, 0.7,
+                                   facecolor=_FSDP_COLOURS["all-gather"]))
+            ax.text(-0.01, y, f"layer {layer}", ha="right", va="center", fontsize=10)
+            ax.text(1.01, y, f"gathered for {kind}" if kind else "its shard only", ha="left",
+                    va="center", fontsize=10)
+        ax.set(xlim=(-0.17, 1.3), ylim=(-0.7, len(layers) - 0.3))
+        ax.axis("off")
+        ax.set_title(f"{title}\n{frame['caption']}", fontsize=10)
+
+    draw(0)
+    fig.legend(handles=[Patch(facecolor=_FSDP_COLOURS["all-gather"], label="this rank's shard"),
+                        Patch(facecolor=colours["forward"], alpha=0.55,
+                              label="gathered for forward"),
+                        Patch(facecolor=colours["backward"], alpha=0.55,
+                              label="gathered for backward")],
+               loc="outside lower center", ncols=3, fontsize=9)
+    anim = animation.FuncAnimation(fig, draw, frames=len(frames), interval=interval_ms)
+    plt.close(fig)
+    return anim

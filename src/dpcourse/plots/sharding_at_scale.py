@@ -1,4 +1,6 @@
-"""Plots of chapter 11: what FSDP's knobs cost, and DDP, FSDP and HSDP across emulated nodes.
+"""Plots of chapter 11: what FSDP's knobs cost, DDP, FSDP and HSDP across emulated nodes, and
+HSDP's mesh of ranks with its shard and replicate groups, as the ranks' own groups report them
+(:func:`plot_hsdp_mesh`).
 
 Each function takes what the chapter measured or recorded (:mod:`dpcourse.harness.bench
 .fsdp_knobs`, :mod:`dpcourse.harness.bench.hsdp`) and the model's curves the chapter computed
@@ -15,8 +17,9 @@ from collections.abc import Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.patches import FancyBboxPatch
 
-__all__ = ["plot_knobs", "plot_strategies"]
+__all__ = ["plot_hsdp_mesh", "plot_knobs", "plot_strategies"]
 
 COLOURS = {"ddp": "tab:blue", "fsdp": "tab:orange", "hsdp": "tab:green"}
 LABELS = {"ddp": "DDP", "fsdp": "FSDP", "hsdp": "HSDP"}
@@ -84,4 +87,44 @@ def plot_strategies(runs: Sequence[Mapping], curves: Mapping[str, Mapping[str, S
                 plt.Line2D([], [], color="grey", marker="x", ls="",
                            label="the model alone (compute)")]
     fig.legend(handles=handles, fontsize=9, ncols=len(handles), loc="outside lower center")
+    return fig
+
+
+def plot_hsdp_mesh(ranks: Sequence[Mapping]) -> Figure:
+    """HSDP's 2-D mesh as the ranks report it: ``ranks[r]`` is rank r's ``{"shard_group":
+    [ranks], "replicate_group": [ranks], "rows": (start, stop), "of": rows}`` (its process
+    groups' members and the rows of a layer it holds). A row of the figure per shard group (a
+    node: FSDP inside it, each rank its own rows), linked down the columns by the replicate
+    groups (the ranks that hold the same rows, one per node, which all-reduce their gradients).
+    Chapter 11."""
+    shard_groups = sorted({tuple(r["shard_group"]) for r in ranks})
+    replicate_groups = sorted({tuple(r["replicate_group"]) for r in ranks})
+    k = len(shard_groups[0])
+    fig, ax = plt.subplots(figsize=(6.5, 1.3 + 1.45 * len(shard_groups)), layout="constrained")
+    where = {}
+    for node, group in enumerate(shard_groups):
+        y = len(shard_groups) - 1 - node
+        ax.add_patch(FancyBboxPatch((-0.45, y - 0.42), k - 0.1, 0.84,
+                                    boxstyle="round,pad=0.02", facecolor="#eef3fb",
+                                    edgecolor="#4c72b0", lw=1.5))
+        ax.text(-0.5, y, f"node {node}\nshard group\n{list(group)}", ha="right", va="center",
+                fontsize=9, color="#4c72b0")
+        for col, rank in enumerate(group):
+            where[rank] = (col, y)
+            start, stop = ranks[rank]["rows"]
+            ax.add_patch(FancyBboxPatch((col - 0.33, y - 0.28), 0.66, 0.56,
+                                        boxstyle="round,pad=0.02", facecolor="white",
+                                        edgecolor="black"))
+            ax.text(col, y, f"rank {rank}\nrows {start}-{stop - 1}\nof {ranks[rank]['of']}",
+                    ha="center", va="center", fontsize=9)
+    for group in replicate_groups:
+        points = [where[r] for r in group]
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, ls="--", color="#dd8452", lw=2, zorder=0)
+        ax.text(xs[0] + 0.36, (max(ys) + min(ys)) / 2, f"replicate\ngroup\n{list(group)}",
+                va="center", fontsize=9, color="#dd8452")
+    ax.set(xlim=(-1.6, k + 0.2), ylim=(-0.6, len(shard_groups) - 0.4))
+    ax.axis("off")
+    ax.set_title(f"HSDP on {len(ranks)} ranks: shard inside a node, replicate across nodes",
+                 fontsize=10)
     return fig
