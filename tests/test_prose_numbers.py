@@ -585,6 +585,13 @@ GENERAL: dict[str, dict[str, str]] = {
         " | Inside any of them | The run must end with the weights",
         SAME_EVERY_RUN: "With the wrong order rank 0 stepped",
     },
+    "09_sharded_optimizers": {
+        MECHANISM: "On this CPU machine all four share | Without prefetch (bottom) the"
+        " communication | On a GPU the times above are read | Who holds what, drawn from those"
+        " counts",
+        RECORDED_RUN: "The matmuls are on the compute stream only | With ranks sharing one GPU",
+        SAME_EVERY_RUN: "Stage 3's shards are whole rows | One difference is ours",
+    },
     "10_scaling": {
         RECORDED_RUN: "In the runs recorded on the course's 2-core machine",
         MECHANISM: "On GPUs each rank has its own device | * Whether weak or strong scaling"
@@ -592,6 +599,15 @@ GENERAL: dict[str, dict[str, str]] = {
         " | Where the measured speed-up stays below | With k GPUs per node | A flat all-reduce"
         " that runs k rings | McCandlish et al. find | Once it is well past | Beyond that the"
         " options",
+    },
+    "11_sharding_at_scale": {
+        ASSERTED: "The bytes agree with the formula",
+        RECORDED_RUN: "Memory needs a model whose parameters | The gathered bf16 layers also take"
+        " | The recorded run gives 4 ranks | On faster links the wire's share | FSDP and HSDP send"
+        " many more messages | HSDP, with fewer ring steps | HSDP ahead of FSDP on slow links",
+        MECHANISM: "What a bf16 reduction costs | While the ranks' gradients agree"
+        " | With a card per GPU, FSDP's flat ring | On real hardware NVLink's latency",
+        SAME_EVERY_RUN: "Summed first, row 0's average",
     },
     "bug_hunt": {
         ASSERTED: "The losses agree to the rounding | The weights agree as closely | The cell finds"
