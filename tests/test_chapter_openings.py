@@ -83,14 +83,10 @@ def test_the_check_sees_an_opening_in_the_old_order():
 
 # --- Issue 45: the reading time is computed from the page -------------------------------------
 EXECUTED = Path(os.environ.get("DPCOURSE_EXECUTED") or ROOT / "_build" / "executed") / "chapters"
-# Pages another issue is rewriting now (issue 41: chapters 9 and 11), computed once it lands.
-READING_TIME_PENDING = {"09_sharded_optimizers", "11_sharding_at_scale"}
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.stem)
 def test_the_opening_states_the_reading_time_its_main_path_computes_to(path):
-    if path.stem in READING_TIME_PENDING:
-        pytest.skip("issue 41 is rewriting this page; issue 45 computes its time after it lands")
     ran = EXECUTED / path.name
     if not ran.exists():
         if os.environ.get("DPCOURSE_REQUIRE_SITE"):

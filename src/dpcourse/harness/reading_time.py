@@ -18,8 +18,8 @@ computed from what the page shows, at a stated pace:
 The outputs (tables, figures, printed results) are not counted: reading them is part of the time
 a learner spends running the notebook. ``python -m dpcourse.harness.reading_time --write`` writes
 each chapter's figure into its opening ("Before you start"), from the executed notebooks in
-``_build/executed`` (the listings are outputs); ``tests/test_chapter_openings.py`` checks that
-the opening says what the page computes to.
+``_build/executed`` (the listings are outputs), into the copies there too;
+``tests/test_chapter_openings.py`` checks that the opening says what the page computes to.
 
 Chapter 0: the course's tooling (the chapters' openings).
 """
@@ -179,21 +179,28 @@ def time_clause(time: ReadingTime) -> str:
             f"{CODE_LINES_PER_MINUTE} a minute{dives})")
 
 
+def _set_first_cell(path: Path, notebook: dict, text: str) -> None:
+    lines = text.split("\n")
+    notebook["cells"][0]["source"] = [line + "\n" for line in lines[:-1]] + [lines[-1]]
+    path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+
+
 def write_opening(source: Path, executed: Path) -> bool:
     """Write the reading time computed from ``executed`` into the opening of ``source`` (a
-    chapter notebook saved without outputs); True where it changed."""
+    chapter notebook saved without outputs); True where it changed. The executed copy's opening
+    gets the same words where it had the same opening (a markdown cell: the run does not depend
+    on it), so that the websites, rendered from the copies, need no second run."""
     notebook = json.loads(source.read_text())
-    first = notebook["cells"][0]
-    text = _source(first)
+    ran = json.loads(executed.read_text())
+    text = _source(notebook["cells"][0])
     if not CLAUSE.search(text):
         raise ValueError(f"{source.name}: its opening has no 'about N minutes to read'")
-    time = reading_time(notebook, json.loads(executed.read_text()))
-    new = CLAUSE.sub(time_clause(time), text, count=1)
+    new = CLAUSE.sub(time_clause(reading_time(notebook, ran)), text, count=1)
     if new == text:
         return False
-    lines = new.split("\n")
-    first["source"] = [line + "\n" for line in lines[:-1]] + [lines[-1]]
-    source.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+    _set_first_cell(source, notebook, new)
+    if _source(ran["cells"][0]) == text:
+        _set_first_cell(executed, ran, new)
     return True
 
 
