@@ -34,6 +34,9 @@ import zipfile
 from pathlib import Path
 
 from docutils import nodes
+from sphinx.util import logging
+
+logger = logging.getLogger(__name__)
 
 FOLDER = "downloads"  # in the built site
 ARCHIVE_NAME = "data-parallelism-from-scratch"
@@ -118,22 +121,30 @@ def write_archive(notebooks: list[Path], wheel: Path, out: Path, edition: str) -
     return out
 
 
-def index_page(wheel: Path) -> str:
-    """A page linking the wheel: what ``pip install --find-links <this page>`` reads."""
+def index_page(wheel: Path, title: str) -> str:
+    """A page linking the wheel and the archive: what ``pip install --find-links <this page>``
+    reads, and a page of the site like the others (its title names the book, its favicon)."""
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<title>dpcourse downloads</title></head><body>\n"
-            f"<a href=\"{wheel.name}\">{wheel.name}</a><br>\n"
-            f"<a href=\"{ARCHIVE_NAME}.zip\">{ARCHIVE_NAME}.zip</a>\n</body></html>\n")
+            f"<title>Downloads - {title}</title>"
+            "<link rel=\"icon\" href=\"../_static/favicon.png\">"
+            "<style>body{font-family:sans-serif;margin:2em}li{margin:0.8em 0}"
+            "a{display:inline-block;padding:0.3em 0}</style></head><body>\n"
+            f"<h1>Downloads: {title}</h1>\n<ul>\n"
+            f"<li><a href=\"{ARCHIVE_NAME}.zip\">{ARCHIVE_NAME}.zip</a>: every notebook of the "
+            "course with the package's wheel</li>\n"
+            f"<li><a href=\"{wheel.name}\">{wheel.name}</a>: the package alone "
+            "(pip install --no-deps)</li>\n</ul>\n</body></html>\n")
 
 
-def write_downloads(srcdir: Path, outdir: Path, edition: str) -> dict[str, Path]:
+def write_downloads(srcdir: Path, outdir: Path, edition: str,
+                    title: str = "Data Parallelism from Scratch") -> dict[str, Path]:
     """The wheel, its index page and the archive of ``srcdir/chapters``'s notebooks, written into
     ``outdir/downloads``; ``{"wheel": ..., "archive": ...}``."""
     folder = Path(outdir) / FOLDER
     if folder.exists():
         shutil.rmtree(folder)
     wheel = build_wheel(repository_root(srcdir), folder)
-    (folder / "index.html").write_text(index_page(wheel))
+    (folder / "index.html").write_text(index_page(wheel, title))
     notebooks = sorted((Path(srcdir) / "chapters").glob("*.ipynb"))
     archive = write_archive(notebooks, wheel, folder / f"{ARCHIVE_NAME}.zip", edition)
     return {"wheel": wheel, "archive": archive}
@@ -151,10 +162,16 @@ def edition_of(app) -> str:
 def write_site_downloads(app) -> None:
     if app.builder.format != "html":
         return
+    try:
+        repository_root(app.srcdir)
+    except FileNotFoundError:  # a book outside the course's repository (a test's fixture)
+        logger.info("course_download: no repository of the course here, so no downloads")
+        app.env.dpcourse_downloads = {}
+        return
     app.env.dpcourse_downloads = {
         kind: path.name
-        for kind, path in write_downloads(Path(app.srcdir), Path(app.outdir),
-                                          edition_of(app)).items()
+        for kind, path in write_downloads(Path(app.srcdir), Path(app.outdir), edition_of(app),
+                                          app.config.project).items()
     }
 
 
@@ -172,6 +189,8 @@ def downloads_of(app) -> dict[str, str]:
 def add_to_download_menu(app, pagename, templatename, context, doctree) -> None:
     """The theme's download menu (the page's .ipynb, .md, .pdf) also offers the course."""
     names = downloads_of(app)
+    if not names:
+        return
     root = context["pathto"]("", 1).rstrip("/")
     for group in context.get("header_buttons", []):
         if group.get("label") != "download-buttons":

@@ -42,7 +42,7 @@ def test_the_archive_holds_the_notebooks_cleared_the_wheel_and_how_to_run_them(t
         assert cell["outputs"] == [] and cell["execution_count"] is None
         readme = archive.read(f"{top}/README.txt").decode()
     assert wheel.name in readme and "pip install --no-deps" in readme
-    assert f'href="{wheel.name}"' in course_download.index_page(wheel)
+    assert f'href="{wheel.name}"' in course_download.index_page(wheel, "A Book")
 
 
 def test_every_pages_download_menu_offers_the_course_and_the_wheel():

@@ -23,7 +23,9 @@ def close_figures():
 
 
 def legend(ax) -> list[str]:
-    return [t.get_text() for t in ax.get_legend().get_texts()]
+    """The axes' legend's entries, or the figure's where the legend sits under the panels."""
+    shown = ax.get_legend() or ax.figure.legends[0]
+    return [t.get_text() for t in shown.get_texts()]
 
 
 def made_up_run(world_size: int, rule: str, warmup: int = 0, steps: int = 20) -> LargeBatchRun:

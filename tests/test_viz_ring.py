@@ -112,8 +112,10 @@ def test_cluster_plot_shows_time_and_bus_bandwidth_against_n_measured_and_modell
     for ax in (ax1, ax2):
         assert [t.get_text() for t in ax.get_xticklabels()] == ["2", "4", "8"]
         assert len([line for line in ax.lines if line.get_marker() == "o"]) == 3  # measured
-    labels = [t.get_text() for t in ax1.get_legend().get_texts()]
-    assert labels == ["naive", "tree", "ring"]  # the title says which are measured, which model
+    (below,) = fig.legends  # under both panels, off their lines
+    labels = [t.get_text() for t in below.get_texts()]
+    assert labels[:3] == ["naive", "tree", "ring"]  # the title says which are measured, which model
+    assert labels[3].startswith("link rate")
     assert "measured (dots) against the alpha-beta model" in fig._suptitle.get_text()
     # the ring's modelled bus bandwidth stays near the link, the naive one's falls as beta / N
     ring, naive = algorithm_colour("ring"), algorithm_colour("naive")  # one colour each, bookwide

@@ -92,11 +92,18 @@ def _shown_texts(fig: Figure) -> list[Text]:
     hidden: set[int] = set()
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
-            low, high = sorted(axis.get_view_interval())
+            scale = axis.get_transform()  # compare on the axis' scale (log, linear...)
+            low, high = sorted(scale.transform(axis.get_view_interval()))
             slack = 1e-9 * (high - low)
-            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
-                if not low - slack <= tick.get_loc() <= high + slack:
-                    hidden.update((id(tick.label1), id(tick.label2)))
+            drawn = set()  # as Axis._update_ticks picks them: one per location, in the view
+            for locs, ticks in ((axis.get_majorticklocs(), axis.get_major_ticks),
+                                (axis.get_minorticklocs(), axis.get_minor_ticks)):
+                where = scale.transform(locs) if len(locs) else locs
+                drawn.update(id(label) for tick, at in zip(ticks(len(locs)), where, strict=True)
+                             if low - slack <= at <= high + slack
+                             for label in (tick.label1, tick.label2))
+            hidden.update(id(label) for tick in axis.get_major_ticks() + axis.get_minor_ticks()
+                          for label in (tick.label1, tick.label2) if id(label) not in drawn)
         if not ax.axison:
             hidden.update(id(text) for axis in (ax.xaxis, ax.yaxis) for text in axis.findobj(Text))
         if not ax.get_visible():

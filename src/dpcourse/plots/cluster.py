@@ -111,9 +111,10 @@ def plot_cluster_runs(runs: Mapping[int, Mapping], source: str = "") -> plt.Figu
         ax.set_xlabel("nodes N (one rank each)")
         ax.grid(alpha=0.3)
     # The algorithms only: the title says dots are measured and lines the model (with the
-    # model's name, the left legend covered the naive all-reduce's points).
-    ax1.legend(fontsize=9, loc="upper left")
-    ax2.legend(fontsize=9, loc="lower left")  # "best" covered the ring's line near the link rate
+    # model's name, the left legend covered the naive all-reduce's points). One legend under
+    # both panels: inside them it covered a line on one run or another.
+    fig.legend(*ax2.get_legend_handles_labels(), fontsize=9, loc="outside lower center",
+               ncols=4)
     # Each line wrapped to the figure's 8.4 inches (a 12 pt character is about 7 points wide):
     # on one line the title was 10.4 inches, and the PNG, cut to fit it, showed its 9 pt labels
     # at 8.4 px on the page (the browser test's figure check).

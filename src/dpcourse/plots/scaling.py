@@ -89,13 +89,13 @@ def plot_gradient_variants(
     bucketing of ``efficiency`` (``{(dtype, bucketing): efficiency at each world size}``; bf16
     solid with dots, others dashed with squares), labelled with the number of buckets from
     ``buckets`` (same keys). Chapter 10, section 10.4."""
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.6), layout="constrained")
     for (dtype, label), values in efficiency.items():
         ax.plot(world_sizes, values, "o-" if dtype == "bf16" else "s--", markersize=3,
                 label=f"{dtype} gradients, {label} ({buckets[dtype, label]})")
     ax.set(xlabel="GPUs N", ylabel="weak-scaling efficiency (modelled)", title=title)
     _gpu_axis(ax, world_sizes, target=None)
-    ax.legend(fontsize=9, loc="lower left")  # the curves start at 1 and fall to the right
+    fig.legend(fontsize=9, loc="outside lower center", ncols=2)  # inside, it covered curves
     return fig
 
 

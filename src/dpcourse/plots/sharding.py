@@ -64,7 +64,7 @@ def plot_state_per_rank(
     side by side bars per optimizer for each rank, and a dashed line at the even share 1/N.
     ``num_params`` goes in the title. Chapter 9, section 9.6."""
     width = min(8.4, 3 * len(state_per_rank))  # the book's column: labels keep their size
-    fig, axes = plt.subplots(1, len(state_per_rank), figsize=(width, 3.2), sharey=True,
+    fig, axes = plt.subplots(1, len(state_per_rank), figsize=(width, 3.7), sharey=True,
                              layout="constrained", squeeze=False)
     for ax, (n, by_name) in zip(axes[0], state_per_rank.items(), strict=True):
         width = 0.76 / len(by_name)
@@ -76,7 +76,9 @@ def plot_state_per_rank(
         ax.set(title=f"N = {n}", xlabel="rank", xticks=range(n))
         ax.grid(alpha=0.3, axis="y")
     axes[0, 0].set_ylabel("optimizer state / unsharded")
-    axes[0, 0].legend(fontsize=9)
+    # under the panels: inside the first, it covered a bar
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), fontsize=9, loc="outside lower center",
+               ncols=len(next(iter(state_per_rank.values()))))
     fig.suptitle(f"Adam state per rank, measured (dashed: 1/N); {num_params:,} parameters")
     return fig
 
