@@ -154,9 +154,14 @@ def write_downloads(srcdir: Path, outdir: Path, edition: str,
 # menu's entries and the role.
 
 
+def book_title(app) -> str:
+    """The book's title, as Jupyter Book gives it to Sphinx (``_config.yml``'s ``title``)."""
+    return app.config.html_title or app.config.project
+
+
 def edition_of(app) -> str:
-    return "student edition, without solutions" if "student" in app.config.project.lower() \
-        else "with solutions"
+    return ("student edition, without solutions" if "student" in book_title(app).lower()
+            else "with solutions")
 
 
 def write_site_downloads(app) -> None:
@@ -171,7 +176,7 @@ def write_site_downloads(app) -> None:
     app.env.dpcourse_downloads = {
         kind: path.name
         for kind, path in write_downloads(Path(app.srcdir), Path(app.outdir), edition_of(app),
-                                          app.config.project).items()
+                                          book_title(app)).items()
     }
 
 

@@ -153,12 +153,14 @@ def layout_problems(fig: Figure, renderer=None) -> list[str]:
         canvas.draw()
         renderer = canvas.get_renderer()
     problems = []
-    edge = fig.bbox.padded(1)
+    edge = fig.bbox
     texts = _shown_texts(fig)
     for text in texts:
-        extent = text.get_window_extent(renderer)
-        if extent.width and not (edge.contains(extent.x0, extent.y0)
-                                 and edge.contains(extent.x1, extent.y1)):
+        e = text.get_window_extent(renderer)
+        # cut: a fifth of it or more past an edge (a descender's pixel or two is not)
+        past_x = max(0.0, edge.x0 - e.x0) + max(0.0, e.x1 - edge.x1)
+        past_y = max(0.0, edge.y0 - e.y0) + max(0.0, e.y1 - edge.y1)
+        if e.width and (past_x > 0.2 * e.width or past_y > 0.2 * e.height):
             problems.append(f"the text {text.get_text()!r} is cut by the figure's edge")
     for legend in fig.findobj(Legend):
         if not legend.get_visible():
