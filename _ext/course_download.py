@@ -184,7 +184,8 @@ def downloads_of(app) -> dict[str, str]:
     """The file names written for this build (the wheel's carries the version)."""
     names = getattr(app.env, "dpcourse_downloads", None)
     if names is None:
-        from dpcourse import __version__  # import here: only where the build wrote no files
+        # import here: only where the build wrote no files (a role before builder-inited)
+        from dpcourse import __version__  # noqa: PLC0415
 
         names = {"wheel": f"dpcourse-{__version__}-py3-none-any.whl",
                  "archive": f"{ARCHIVE_NAME}.zip"}
