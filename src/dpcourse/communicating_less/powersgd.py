@@ -9,6 +9,9 @@ iteration finds them (Vogels et al., 2019):
    summed M), then orthogonalise its columns (Gram-Schmidt);
 3. Q = M^T P, all-reduce Q and divide by N; the averaged gradient is approximated by P Q^T.
 
+The paper orthogonalises P only; torch's hook also orthogonalises the reused Q before step 1,
+and so does ours (:func:`factors`), to compute what torch's does.
+
 The approximation drops what is outside the r directions; **error feedback** adds what was
 dropped to the next step's gradient, so that over steps nothing is lost, only delayed (without
 it PowerSGD is biased, and training stalls above the loss it reaches). The first
@@ -16,12 +19,15 @@ it PowerSGD is biased, and training stalls above the loss it reaches). The first
 change fast, and compressing them hurts most. Vectors (biases) and matrices too small to gain
 ``min_compression_rate`` are all-reduced whole, in one flat tensor.
 
-:func:`powersgd_hook` is a DDP communication hook (:mod:`.compression` says what that is) with
-the state, the random draws and the order of torch's ``powerSGD_hook``, so that given the same
-:class:`PowerSGDState` both compute the same gradients (``tests/test_communicating_less.py``, 2
-to 4 ranks, 1-D parameters and matrices smaller than the rank). One difference: ours runs its
-three all-reduces one after another and returns a completed Future, where torch's chains them in
-callbacks so that backward goes on meanwhile; the values are the same.
+:func:`powersgd_hook` is a DDP communication hook (:mod:`.compression` says what that is): the
+three steps, on one screen, with what they need written apart: which gradients to compress
+(:func:`split_gradients`), P and Q as views of two flat tensors (:func:`factors`), and the rest
+averaged uncompressed (:func:`average_whole`). It keeps the state, the random draws and the
+order of torch's ``powerSGD_hook``, so that given the same :class:`PowerSGDState` both compute
+the same gradients (``tests/test_communicating_less.py``, 2 to 4 ranks, 1-D parameters and
+matrices smaller than the rank). One difference: ours runs its three all-reduces one after
+another and returns a completed Future, where torch's chains them in callbacks so that backward
+goes on meanwhile; the values are the same.
 
 Chapter 12: PowerSGD, low-rank gradient compression.
 """
@@ -32,7 +38,8 @@ import torch.distributed as dist
 
 from dpcourse.communicating_less.compression import allreduce_hook
 
-__all__ = ["PowerSGDState", "orthogonalize", "compressed_values", "powersgd_hook"]
+__all__ = ["PowerSGDState", "orthogonalize", "compressed_values", "split_gradients", "factors",
+           "average_whole", "powersgd_hook"]
 
 
 class PowerSGDState:
@@ -83,42 +90,36 @@ def compressed_values(shape: tuple[int, ...], rank: int, min_compression_rate: f
     return (n + m) * r if (n + m) * r * min_compression_rate < n * m else n * m
 
 
-def powersgd_hook(state: PowerSGDState,
-                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The PowerSGD communication hook (steps 1-3 of the module), for torch's DDP or ours:
-    ``ddp.register_comm_hook(PowerSGDState(...), powersgd_hook)``. The bucket's gradients are
-    overwritten with the averaged approximation; its error is kept for the next step."""
-    group, buffer, i = state.process_group, bucket.buffer(), bucket.index()
-    if state.iter < state.start_powerSGD_iter:  # the first steps: a plain all-reduce
-        if bucket.is_last():  # a step ends with its last bucket
-            state.iter += 1
-        return allreduce_hook(group, bucket)
-    world = dist.get_world_size(group)
-    if state.use_error_feedback:  # add back what compression dropped at the last step
-        state.error_dict.setdefault(i, torch.zeros_like(buffer))
-        buffer.add_(state.error_dict[i])
-        before = buffer.clone()
-
-    # Which gradients to compress: matrices (the first dimension by the rest) that gain enough.
-    # In torch's order, grouped by shape, so that both draw the same random Q for each.
+def split_gradients(gradients: list[torch.Tensor], state: PowerSGDState
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the matrices to compress, the gradients to send whole) of one bucket: each gradient
+    viewed as its first dimension by the rest, compressed where (n + m) r is
+    ``min_compression_rate`` times fewer values than n m. The matrices come grouped by shape, in
+    torch's order, so that both hooks draw the same random Q for each."""
     by_shape: dict[torch.Size, list[torch.Tensor]] = {}
     whole = []
-    for g in bucket.gradients():
+    for g in gradients:
         m = g.view(g.shape[0], -1)
         rank = min(*m.shape, state.matrix_approximation_rank)
         if sum(m.shape) * rank * state.min_compression_rate < m.numel():
             by_shape.setdefault(m.shape, []).append(m)
         else:
             whole.append(g)
-    matrices = [m for ms in by_shape.values() for m in ms]
-    ranks = [min(*m.shape, state.matrix_approximation_rank) for m in matrices]
+    return [m for ms in by_shape.values() for m in ms], whole
 
-    # P and Q of every matrix live in two flat tensors: one all-reduce each.
+
+def factors(state: PowerSGDState, i: int, matrices: list[torch.Tensor],
+            like: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """P (n x r) and Q (m x r) of every matrix of bucket ``i``, views into two flat tensors of
+    ``state`` (one all-reduce each), on ``like``'s device. Q is orthonormal: last step's (the
+    warm start, orthogonalised again as torch's hook does) or, at the first step or without
+    warm start, drawn at random with a seed that every rank draws alike."""
+    ranks = [min(*m.shape, state.matrix_approximation_rank) for m in matrices]
     fresh = not state.warm_start or i not in state.p_memory_dict
     if fresh:
-        state.p_memory_dict[i] = buffer.new_empty(sum(m.shape[0] * r for m, r in zip(
+        state.p_memory_dict[i] = like.new_empty(sum(m.shape[0] * r for m, r in zip(
             matrices, ranks, strict=True)))
-        state.q_memory_dict[i] = buffer.new_empty(sum(m.shape[1] * r for m, r in zip(
+        state.q_memory_dict[i] = like.new_empty(sum(m.shape[1] * r for m, r in zip(
             matrices, ranks, strict=True)))
     ps, qs, p_at, q_at = [], [], 0, 0
     for m, r in zip(matrices, ranks, strict=True):
@@ -132,32 +133,54 @@ def powersgd_hook(state: PowerSGDState,
             if fresh:
                 q.copy_(torch.randn(*q.shape, dtype=q.dtype))
             orthogonalize(q, state.orthogonalization_epsilon)
+    return ps, qs
 
-    for m, p, q in zip(matrices, ps, qs, strict=True):  # 1. P = M Q
-        torch.matmul(m, q, out=p)
-    flat = torch.cat([g.reshape(-1) for g in whole]) if whole else buffer.new_empty(0)
-    dist.all_reduce(flat, group=group)  # the vectors and small matrices, whole
-    flat.div_(world)
+
+def average_whole(tensors: list[torch.Tensor], like: torch.Tensor,
+                  group: dist.ProcessGroup | None) -> None:
+    """Replace each of ``tensors`` by its mean over the ranks: one all-reduce of them all,
+    flattened, summed then divided, as torch's hook does (where there are none, an empty
+    all-reduce on ``like``'s device, as torch's too)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else like.new_empty(0)
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
     at = 0
-    for g in whole:
-        g.copy_(flat[at : at + g.numel()].view_as(g))
-        at += g.numel()
+    for t in tensors:
+        t.copy_(flat[at : at + t.numel()].view_as(t))
+        at += t.numel()
+
+
+def powersgd_hook(state: PowerSGDState,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The PowerSGD communication hook (steps 1-3 of the module), for torch's DDP or ours:
+    ``ddp.register_comm_hook(PowerSGDState(...), powersgd_hook)``. The bucket's gradients are
+    overwritten with the averaged approximation; its error is kept for the next step."""
+    group, buffer, i = state.process_group, bucket.buffer(), bucket.index()
+    if state.iter < state.start_powerSGD_iter:  # the first steps: a plain all-reduce
+        state.iter += bucket.is_last()  # a step ends with its last bucket
+        return allreduce_hook(group, bucket)
+    if state.use_error_feedback:  # add back what compression dropped at the last step
+        buffer.add_(state.error_dict.setdefault(i, torch.zeros_like(buffer)))
+        before = buffer.clone()
+    matrices, whole = split_gradients(bucket.gradients(), state)
+    ps, qs = factors(state, i, matrices, buffer)  # Q: last step's, or random
+    for m, p, q in zip(matrices, ps, qs, strict=True):
+        torch.matmul(m, q, out=p)  # 1. P = M Q
+    average_whole(whole, buffer, group)  # vectors and small matrices, uncompressed
     dist.all_reduce(state.p_memory_dict[i], group=group)  # 2. sum P, orthogonalise it
     for m, p, q in zip(matrices, ps, qs, strict=True):
         orthogonalize(p, state.orthogonalization_epsilon)
-        torch.matmul(m.t(), p, out=q)  # 3. Q = M^T P
+        torch.matmul(m.t(), p, out=q)  # 3. Q = M^T P, averaged
     dist.all_reduce(state.q_memory_dict[i], group=group)
-    state.q_memory_dict[i].div_(world)
+    state.q_memory_dict[i].div_(dist.get_world_size(group))
     for m, p, q in zip(matrices, ps, qs, strict=True):
         torch.matmul(p, q.t(), out=m)  # the averaged gradient, approximated: P Q^T
-
     if state.use_error_feedback:
-        state.error_dict[i] = before - buffer
+        state.error_dict[i] = before - buffer  # this rank's gradient less what was sent
     if not state.warm_start:
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()
-    if bucket.is_last():
-        state.iter += 1
+    state.iter += bucket.is_last()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(buffer)
     return fut
