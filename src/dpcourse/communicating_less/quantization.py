@@ -1,13 +1,21 @@
 """Pseudo-gradients sent in 8 bits: fp8 (e4m3) with one fp32 scale per block of values.
 
-Streaming DiLoCo quantises what it all-reduces. The format here is torchft's on a Hopper GPU:
-each block of :data:`BLOCK` values is scaled so that its largest magnitude is fp8 e4m3's
-largest, 448, then rounded to e4m3 (4 exponent bits, 3 mantissa bits, no infinities): 1 byte a
-value plus 4 bytes a block, about 3.9 times fewer bytes than fp32. The scale per block keeps
-small values of one layer from being flushed by large ones of another; e4m3's three mantissa
-bits round each value to within 2^-4 of itself (6 %), and the pseudo-gradient, an average of N
-replicas' noisy moves, is far noisier than that (the chapter measures the loss with and
-without). The Streaming DiLoCo paper goes further, to 4 bits (e3m0), at no loss in its runs.
+Streaming DiLoCo quantises what it all-reduces. Here each block of :data:`BLOCK` values is
+scaled so that its largest magnitude is fp8 e4m3's largest, 448, then rounded to e4m3 (4
+exponent bits, 3 mantissa bits, no infinities): 1 byte a value plus 4 bytes a block, about 3.9
+times fewer bytes than fp32. e4m3's three mantissa bits round each value to within 2^-4 of
+itself (6 %); values under 2^-6 / 448 of their block's largest lose bits, and under
+2^-10 / 448 (2e-6) they flush to zero. The pseudo-gradient, an average of N replicas' noisy
+moves, differs from replica to replica by far more than that (chapter 12 measures both, and
+the loss with it).
+
+Why blocks: a fragment is sent as one flat tensor that joins layers of different scales (a bias
+and a weight matrix), and one scale for all of it would round a small layer's values coarsely or
+flush them to zero; a scale per block of 256 keeps each layer's own, at 4 bytes in 260. torchft
+0.2.0 sends the same values (e4m3 with fp32 scales, on GPUs with fp8, compute capability 9.0 and
+up; int8 with a largest value of 127 on older ones, in Triton kernels, so not on a CPU) with one
+scale per row of each tensor instead of per block. The Streaming DiLoCo paper goes further, to 4
+bits (e3m0), at no loss in its runs.
 
 :func:`quantized_all_reduce` averages a tensor over the ranks as torchft's does: every rank
 quantises its tensor, sends chunk r to rank r (an all-to-all), rank r dequantises the N chunks
