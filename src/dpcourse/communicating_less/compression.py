@@ -42,20 +42,24 @@ def allreduce_hook(process_group: dist.ProcessGroup | None,
     return fut.then(lambda f: f.value()[0])
 
 
-def compress_hook(dtype: torch.dtype, process_group: dist.ProcessGroup | None,
-                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The bucket all-reduced in ``dtype`` (``torch.float16`` or ``torch.bfloat16``): cast,
-    divided by the world size, summed, and cast back into the bucket when the Future completes.
-    The bucket is a flat tensor on the model's device; the all-reduce sends half its bytes."""
+def compress_hook(
+    dtype: torch.dtype, process_group: dist.ProcessGroup | None,
+    bucket: dist.GradBucket,
+) -> torch.futures.Future[torch.Tensor]:
+    """The bucket all-reduced in ``dtype`` (``torch.float16`` or
+    ``torch.bfloat16``): cast, divided by the world size, summed, and cast
+    back into the bucket when the Future completes. The bucket is a flat
+    tensor on the model's device; the all-reduce sends half its bytes."""
     buffer = bucket.buffer()
-    compressed = buffer.to(dtype).div_(dist.get_world_size(process_group))  # divide first
+    world = dist.get_world_size(process_group)
+    compressed = buffer.to(dtype).div_(world)  # divide first
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(fut.value()[0])  # back to fp32, in the bucket itself: no new memory
+        buffer.copy_(fut.value()[0])  # back to fp32, in the bucket itself
         return buffer
 
-    fut = dist.all_reduce(compressed, group=process_group, async_op=True).get_future()
-    return fut.then(decompress)
+    work = dist.all_reduce(compressed, group=process_group, async_op=True)
+    return work.get_future().then(decompress)
 
 
 def fp16_compress_hook(process_group: dist.ProcessGroup | None,

@@ -37,15 +37,18 @@ MakeOptimizer = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @torch.no_grad()
-def pseudo_gradients(start: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
-                     participating: bool = True,
-                     group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """The round's pseudo-gradients ``start - params``, averaged over the ranks of ``group``
-    that take part (one all-reduce per tensor, and one of the count when a rank may not)."""
+def pseudo_gradients(
+    start: Sequence[torch.Tensor], params: Sequence[nn.Parameter],
+    participating: bool = True, group: dist.ProcessGroup | None = None,
+) -> list[torch.Tensor]:
+    """The round's pseudo-gradients ``start - params``, averaged over the
+    ranks of ``group`` that take part (one all-reduce per tensor, and one of
+    the count of ranks that took part)."""
     deltas = [s - p if participating else torch.zeros_like(p) for s, p in zip(
         start, params, strict=True)]
-    taking_part = torch.tensor([float(participating)], device=deltas[0].device)
-    dist.all_reduce(taking_part, group=group)  # how many ranks this round averages
+    taking_part = torch.tensor([float(participating)],
+                               device=deltas[0].device)
+    dist.all_reduce(taking_part, group=group)  # how many ranks took part
     for d in deltas:
         dist.all_reduce(d, group=group)
         d /= taking_part
@@ -81,9 +84,11 @@ class DiLoCo:
 
     @torch.no_grad()
     def sync(self, participating: bool = True) -> None:
-        """End the round: average the pseudo-gradients, go back to the round's start and take
-        one outer step from there; the result starts the next round on every rank."""
-        deltas = pseudo_gradients(self.start, self.params, participating, self.group)
+        """End the round: average the pseudo-gradients, go back to the round's
+        start and take one outer step from there; the result starts the next
+        round on every rank."""
+        deltas = pseudo_gradients(self.start, self.params, participating,
+                                  self.group)
         for p, s, d in zip(self.params, self.start, deltas, strict=True):
             p.copy_(s)
             p.grad = d

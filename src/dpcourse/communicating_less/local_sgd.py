@@ -33,8 +33,9 @@ __all__ = ["average_parameters", "LocalSGD"]
 @torch.no_grad()
 def average_parameters(params: Iterable[nn.Parameter],
                        group: dist.ProcessGroup | None = None) -> None:
-    """Replace every parameter of ``params`` by its mean over the ranks of ``group``: one
-    all-reduce of them all, flattened (divided by N first, as torch's averager does)."""
+    """Replace every parameter of ``params`` by its mean over the ranks of
+    ``group``: one all-reduce of them all, flattened (divided by N first, as
+    torch's averager does)."""
     params = list(params)
     flat = torch.cat([p.reshape(-1) for p in params])
     flat /= dist.get_world_size(group)
@@ -64,8 +65,9 @@ class LocalSGD:
         due = (self.step_count >= self.warmup_steps
                and (self.step_count - self.warmup_steps) % self.period == 0)
         if due:
-            average_parameters((p for g in self.optimizer.param_groups for p in g["params"]
-                                if p.grad is not None), self.group)
+            params = [p for g in self.optimizer.param_groups
+                      for p in g["params"] if p.grad is not None]
+            average_parameters(params, self.group)
         self.step_count += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:

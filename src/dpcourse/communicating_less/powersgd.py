@@ -70,9 +70,9 @@ class PowerSGDState:
 
 
 def orthogonalize(matrix: torch.Tensor, epsilon: float = 0.0) -> None:
-    """Make the columns of ``matrix`` (n x r, r <= n) orthonormal, in place: Gram-Schmidt, each
-    column normalised, then removed from the columns after it. ``epsilon`` guards a column of
-    zeros (a layer whose gradient vanished)."""
+    """Make the columns of ``matrix`` (n x r, r <= n) orthonormal, in place:
+    Gram-Schmidt, each column normalised, then removed from the columns after
+    it. ``epsilon`` guards a column of zeros (a gradient that vanished)."""
     for i in range(matrix.shape[1]):
         col = matrix[:, i : i + 1]
         col /= torch.norm(col, dim=0, keepdim=True) + epsilon
@@ -150,33 +150,36 @@ def average_whole(tensors: list[torch.Tensor], like: torch.Tensor,
         at += t.numel()
 
 
-def powersgd_hook(state: PowerSGDState,
-                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The PowerSGD communication hook (steps 1-3 of the module), for torch's DDP or ours:
-    ``ddp.register_comm_hook(PowerSGDState(...), powersgd_hook)``. The bucket's gradients are
-    overwritten with the averaged approximation; its error is kept for the next step."""
+def powersgd_hook(
+    state: PowerSGDState, bucket: dist.GradBucket,
+) -> torch.futures.Future[torch.Tensor]:
+    """The PowerSGD communication hook (steps 1-3 of the module), for torch's
+    DDP or ours:
+    ``ddp.register_comm_hook(PowerSGDState(...), powersgd_hook)``. The
+    bucket's gradients are overwritten with the averaged approximation; its
+    error is kept for the next step."""
     group, buffer, i = state.process_group, bucket.buffer(), bucket.index()
-    if state.iter < state.start_powerSGD_iter:  # the first steps: a plain all-reduce
+    if state.iter < state.start_powerSGD_iter:  # first steps: uncompressed
         state.iter += bucket.is_last()  # a step ends with its last bucket
         return allreduce_hook(group, bucket)
-    if state.use_error_feedback:  # add back what compression dropped at the last step
+    if state.use_error_feedback:  # add back what the last step dropped
         buffer.add_(state.error_dict.setdefault(i, torch.zeros_like(buffer)))
         before = buffer.clone()
     matrices, whole = split_gradients(bucket.gradients(), state)
     ps, qs = factors(state, i, matrices, buffer)  # Q: last step's, or random
     for m, p, q in zip(matrices, ps, qs, strict=True):
         torch.matmul(m, q, out=p)  # 1. P = M Q
-    average_whole(whole, buffer, group)  # vectors and small matrices, uncompressed
-    dist.all_reduce(state.p_memory_dict[i], group=group)  # 2. sum P, orthogonalise it
+    average_whole(whole, buffer, group)  # vectors, small matrices: whole
+    dist.all_reduce(state.p_memory_dict[i], group=group)  # 2. sum P
     for m, p, q in zip(matrices, ps, qs, strict=True):
-        orthogonalize(p, state.orthogonalization_epsilon)
+        orthogonalize(p, state.orthogonalization_epsilon)  # ... orthonormal
         torch.matmul(m.t(), p, out=q)  # 3. Q = M^T P, averaged
     dist.all_reduce(state.q_memory_dict[i], group=group)
     state.q_memory_dict[i].div_(dist.get_world_size(group))
     for m, p, q in zip(matrices, ps, qs, strict=True):
-        torch.matmul(p, q.t(), out=m)  # the averaged gradient, approximated: P Q^T
+        torch.matmul(p, q.t(), out=m)  # the averaged gradient: P Q^T
     if state.use_error_feedback:
-        state.error_dict[i] = before - buffer  # this rank's gradient less what was sent
+        state.error_dict[i] = before - buffer  # kept for next step: M - P Q^T
     if not state.warm_start:
         state.p_memory_dict.clear()
         state.q_memory_dict.clear()

@@ -42,10 +42,11 @@ FP8_MAX = 448.0  # the largest e4m3fn value
 
 
 def quantize(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``blocks`` (..., BLOCK), float: (the e4m3 codes as uint8, the same shape; the fp32 scale
-    of each block, shape ``blocks.shape[:-1]``)."""
+    """``blocks`` (..., BLOCK), float: (the e4m3 codes as uint8, the same
+    shape; the fp32 scale of each block, shape ``blocks.shape[:-1]``)."""
     largest = blocks.abs().amax(dim=-1).float()
-    scale = torch.where(largest > 0, FP8_MAX / largest, torch.ones_like(largest))
+    scale = torch.where(largest > 0, FP8_MAX / largest,
+                        torch.ones_like(largest))
     codes = (blocks.float() * scale.unsqueeze(-1)).to(FP8).view(torch.uint8)
     return codes, scale
 

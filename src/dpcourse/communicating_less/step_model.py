@@ -55,17 +55,21 @@ def payload_bytes(method: str, shapes: Sequence[tuple[int, ...]], world_size: in
                      f"{method!r}")
 
 
-def step_time(world_size: int, compute_s: float, payload: float, alpha: float, beta: float, *,
-              every: float = 1, all_reduces: int = 1, hidden_s: float = 0.0,
-              overhead_s: float = 0.0) -> float:
-    """Modelled mean seconds per step: ``compute_s + overhead_s`` plus a ring all-reduce of
-    ``payload`` bytes in ``all_reduces`` all-reduces (each pays the latency) on links of
-    ``alpha`` and ``beta``, less the ``hidden_s`` seconds of compute it runs behind, once
-    every ``every`` steps. DDP: ``every=1`` and ``hidden_s`` the overlapped share of backward
-    (chapter 10); DiLoCo: ``every=H``; Streaming DiLoCo: ``every=H/F`` with ``payload`` a
-    fragment and ``hidden_s`` its ``delay`` steps of compute."""
+def step_time(
+    world_size: int, compute_s: float, payload: float, alpha: float,
+    beta: float, *, every: float = 1, all_reduces: int = 1,
+    hidden_s: float = 0.0, overhead_s: float = 0.0,
+) -> float:
+    """Modelled mean seconds per step: ``compute_s + overhead_s`` plus a ring
+    all-reduce of ``payload`` bytes in ``all_reduces`` all-reduces (each pays
+    the latency) on links of ``alpha`` and ``beta``, less the ``hidden_s``
+    seconds of compute it runs behind, once every ``every`` steps. DDP:
+    ``every=1`` and ``hidden_s`` the overlapped share of backward (chapter
+    10); DiLoCo: ``every=H``; Streaming DiLoCo: ``every=H/F`` with
+    ``payload`` a fragment and ``hidden_s`` its ``delay`` steps of compute."""
     if every < 1:
-        raise ValueError(f"every (steps between synchronisations) must be 1 or more, got {every}")
+        raise ValueError(f"every (steps between synchronisations) must be 1 "
+                         f"or more, got {every}")
     comm = costmodel.all_reduce_time("ring", world_size, payload, alpha, beta,
                                      buckets=all_reduces)
     return compute_s + overhead_s + max(0.0, comm - hidden_s) / every

@@ -53,12 +53,14 @@ class Fragment:
 
     @torch.no_grad()
     def send(self, quantize: bool, background: ThreadPoolExecutor) -> None:
-        """Start averaging ``start - params`` over the ranks, as one flat tensor; return at
-        once (gloo's asynchronous all-reduce, or the quantised one on a thread)."""
+        """Start averaging ``start - params`` over the ranks, as one flat
+        tensor; return at once (an asynchronous all-reduce, or the quantised
+        one on a thread)."""
         self.flat = torch.cat([(s - p).reshape(-1) for s, p in zip(
             self.start, self.params, strict=True)])
         if quantize:
-            self.wait = background.submit(quantized_all_reduce, self.flat, self.group).result
+            self.wait = background.submit(quantized_all_reduce, self.flat,
+                                          self.group).result
         else:
             work = dist.all_reduce(self.flat, group=self.group, async_op=True)
             world = dist.get_world_size(self.group)
@@ -66,8 +68,9 @@ class Fragment:
 
     @torch.no_grad()
     def receive(self, alpha: float) -> None:
-        """Wait for the average, step the outer optimizer from the round's start, keep the
-        result as the next round's start, and mix in the local steps taken meanwhile."""
+        """Wait for the average, step the outer optimizer from the round's
+        start, keep the result as the next round's start, and mix in the local
+        steps taken meanwhile."""
         self.wait()
         local = [p.clone() for p in self.params]
         at = 0
@@ -79,7 +82,7 @@ class Fragment:
         self.outer.zero_grad()
         for s, p, mine in zip(self.start, self.params, local, strict=True):
             s.copy_(p)
-            p.lerp_(mine, alpha)  # alpha = 0: the global weights; 1: the local ones
+            p.lerp_(mine, alpha)  # alpha 0: the global weights; 1: local
 
 
 class StreamingDiLoCo:
@@ -108,8 +111,8 @@ class StreamingDiLoCo:
         self.background = ThreadPoolExecutor(max_workers=1)
 
     def step(self) -> None:
-        """One inner step; send the next fragment ``delay`` steps before its turn, and take its
-        outer step on its turn."""
+        """One inner step; send the next fragment ``delay`` steps before its
+        turn, and take its outer step on its turn."""
         self.inner.step()
         self.local_step += 1
         fragment = self.fragments[self.next]
