@@ -228,6 +228,10 @@ def train_on_rank(kind: str, options: dict, target: float, max_steps: int,
                     break
     close()
     steps = reached or max_steps
+    # A rank's last collective can end before its own last message has left its card (it
+    # waits for what it receives, not for what it sent, which a shaped link may still hold for
+    # a tenth of a second): after a barrier every rank has received all the others sent.
+    dist.barrier()
     wire_after = _wire_bytes()
     return {"curve": curve, "steps_to_target": reached, "steps": steps,
             "seconds_to_target": seconds if reached else None, "seconds": seconds,
