@@ -45,7 +45,7 @@ from dpcourse.communicating_less import (
 from dpcourse.cost import costmodel, scaling
 from dpcourse.ddp.buckets import BucketManager, HookBucket
 from dpcourse.ddp.ddp import DDP
-from dpcourse.harness.launch import run_ranks
+from dpcourse.harness.launch import RankError, run_ranks
 from dpcourse.replicas.parameter_averaging import train_parameter_averaging
 
 WORLDS = (2, 3, 4)
@@ -372,6 +372,19 @@ def diloco_with_a_lost_replica_on_rank(batches: list) -> list[torch.Tensor]:
         if t % 3 == 0:
             ours.sync(participating=not (t == 6 and rank == world - 1))
     return [p.detach().clone() for p in model.parameters()]
+
+
+def sync_with_nobody_on_rank() -> None:
+    model = make_model()
+    ours = diloco.DiLoCo(model, make_inner(model.parameters()), make_outer(model.parameters()),
+                         sync_every=3)
+    ours.sync(participating=False)
+
+
+def test_a_round_nobody_took_part_in_is_an_error_on_every_rank():
+    """Not a division by zero that fills every weight with NaN: each rank raises, none waits."""
+    with pytest.raises(RankError, match="no rank took part in this round"):
+        run_ranks(sync_with_nobody_on_rank, 2, backend="gloo", timeout=60)
 
 
 def test_a_replica_that_drops_out_is_left_out_of_the_average():

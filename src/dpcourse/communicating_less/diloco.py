@@ -49,6 +49,10 @@ def pseudo_gradients(
     taking_part = torch.tensor([float(participating)],
                                device=deltas[0].device)
     dist.all_reduce(taking_part, group=group)  # how many ranks took part
+    if taking_part.item() == 0:  # alike on every rank: all of them raise
+        raise RuntimeError("no rank took part in this round (participating="
+                           "False everywhere): nothing to average; let one "
+                           "replica finish its round")
     for d in deltas:
         dist.all_reduce(d, group=group)
         d /= taking_part
