@@ -93,10 +93,24 @@ def test_the_opening_states_the_reading_time_its_main_path_computes_to(path):
             raise AssertionError(f"no executed copy of {path.name}: run `make notebooks`")
         pytest.skip(f"no executed copy of {path.name} (its listings are outputs): make notebooks")
     time = reading_time.reading_time(json.loads(path.read_text()), json.loads(ran.read_text()))
-    clause = reading_time.time_clause(time)
-    assert clause in opening(path), (
-        f"{path.name}: its opening should say {clause!r}; write it with "
+    why = reading_time.stale(opening(path), time)
+    assert why is None, (
+        f"{path.name}: its opening's reading time is stale ({why}); it should say "
+        f"{reading_time.time_clause(time)!r}: write it with "
         "`python -m dpcourse.harness.reading_time --write` (after make notebooks)")
+
+
+def test_a_reading_time_is_stale_only_beyond_what_about_allows():
+    time = reading_time.ReadingTime(words=3000, code_lines=400, deep_dive_words=0,
+                                    deep_dive_code_lines=50)
+    said = reading_time.time_clause(time)
+    assert reading_time.stale(said, time) is None
+    edited = reading_time.ReadingTime(3100, 410, 0, 50)  # a paragraph and a listing's lines
+    assert reading_time.stale(said, edited) is None
+    grown = reading_time.ReadingTime(3000, 520, 0, 50)  # a section of code added
+    assert "lines of code: it says 400, the page computes to 520" in reading_time.stale(said, grown)
+    assert "minutes: it says 60" in reading_time.stale(said, grown)
+    assert "states no reading time" in reading_time.stale("about an hour", time)
 
 
 def test_the_main_path_leaves_out_deep_dives_exercises_and_what_is_folded():

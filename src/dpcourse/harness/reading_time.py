@@ -19,7 +19,8 @@ The outputs (tables, figures, printed results) are not counted: reading them is 
 a learner spends running the notebook. ``python -m dpcourse.harness.reading_time --write`` writes
 each chapter's figure into its opening ("Before you start"), from the executed notebooks in
 ``_build/executed`` (the listings are outputs), into the copies there too;
-``tests/test_chapter_openings.py`` checks that the opening says what the page computes to.
+``tests/test_chapter_openings.py`` checks that the opening says what the page computes to, within
+what its "about" allows (:func:`stale`: a sentence edited needs no new run, a section added does).
 
 Chapter 0: the course's tooling (the chapters' openings).
 """
@@ -33,7 +34,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CODE_LINES_PER_MINUTE", "WORDS_PER_MINUTE", "ReadingTime", "reading_time",
+__all__ = ["CODE_LINES_PER_MINUTE", "WORDS_PER_MINUTE", "ReadingTime", "reading_time", "stale",
            "time_clause", "write_opening"]
 
 WORDS_PER_MINUTE = 150
@@ -183,6 +184,32 @@ def _set_first_cell(path: Path, notebook: dict, text: str) -> None:
     lines = text.split("\n")
     notebook["cells"][0]["source"] = [line + "\n" for line in lines[:-1]] + [lines[-1]]
     path.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+
+
+STATED = re.compile(r"about (?P<minutes>\d+) minutes to read the main path \((?P<words>[\d,]+) "
+                    r"words at \d+ a minute and (?P<lines>[\d,]+) lines of code at \d+ a minute"
+                    r"(?:; the deep dives, folded, add about (?P<dives>\d+) minutes)?\)")
+# How far the opening's figures may be from the page's before they are stale: a rounding step of
+# the minutes, a tenth of the words and of the lines. A sentence or a listing edited does not
+# need a fresh run of every notebook; a section added or removed does.
+MINUTES_SLACK, COUNT_SLACK = 5, 0.10
+
+
+def stale(text: str, time: ReadingTime) -> str | None:
+    """Why the opening ``text`` does not state ``time`` (what the page computes to) within what
+    its "about" allows (:data:`MINUTES_SLACK`, :data:`COUNT_SLACK`); None where it does."""
+    found = STATED.search(text)
+    if not found:
+        return "it states no reading time of the form 'about N minutes to read the main path (...)'"
+    words, lines = (int(found.group(k).replace(",", "")) for k in ("words", "lines"))
+    pairs = [("minutes", int(found.group("minutes")), time.minutes, MINUTES_SLACK),
+             ("minutes of deep dives", int(found.group("dives") or 0), time.deep_dive_minutes,
+              MINUTES_SLACK),
+             ("words", words, time.words, COUNT_SLACK * time.words),
+             ("lines of code", lines, time.code_lines, COUNT_SLACK * time.code_lines)]
+    off = [f"{what}: it says {said:,}, the page computes to {real:,}"
+           for what, said, real, slack in pairs if abs(said - real) > slack]
+    return "; ".join(off) or None
 
 
 def write_opening(source: Path, executed: Path) -> bool:
