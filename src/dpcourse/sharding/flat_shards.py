@@ -82,10 +82,24 @@ class FlatGroup:
     start: int
     end: int
     shard: nn.Parameter  # flat[start:end], the slice this rank steps
+    shard_grad: torch.Tensor  # the memory of shard.grad, the shard's averaged gradient
 
     @property
     def numel(self) -> int:
         return self.flat.numel()
+
+    def take_grads(self) -> torch.Tensor:
+        """The parameters' gradients end to end, laid out as :attr:`flat` is (zeros where a
+        parameter has none), in the flat gradient buffer (stage 1's, where backward's hooks have
+        moved them already) or a new one (stage 2); the parameters' ``.grad`` become ``None``."""
+        flat_grad = self.grad if self.grad is not None else torch.empty_like(self.flat)
+        for p, (s, e) in zip(self.params, self.offsets, strict=True):
+            if p.grad is None:
+                flat_grad[s:e].zero_()
+            elif p.grad.data_ptr() != flat_grad[s:e].data_ptr():  # not moved there by a hook
+                flat_grad[s:e].copy_(p.grad.reshape(-1))
+            p.grad = None
+        return flat_grad
 
 
 def flatten_group(
@@ -103,7 +117,8 @@ def flatten_group(
     0's over the process group, so that every replica starts from the same weights. With
     ``keep_full_grad`` (stage 1) a flat gradient buffer of the same layout is allocated and each
     parameter's gradient is moved into it as backward produces it; without it (stage 2) only the
-    shard's gradient (``shard.grad``, which both stages keep) is held between steps.
+    shard's averaged gradient (``shard_grad``, which both stages keep) is held between steps. The
+    shard has no ``.grad`` yet, as a fresh parameter has none.
     """
     dtype = params[0].dtype if params else torch.float32
     numel = sum(p.numel() for p in params)
@@ -121,11 +136,11 @@ def flatten_group(
     s0, s1 = shard_bounds(numel, world_size, rank)
     shard = nn.Parameter(flat[s0:s1])  # a view: stepping it updates flat in place
     grad = torch.zeros_like(flat) if keep_full_grad else None
-    shard.grad = torch.zeros_like(flat[s0:s1])  # the averaged gradient of the shard
     if grad is not None:
         for p, (s, e) in zip(params, offsets, strict=True):
             p.register_post_accumulate_grad_hook(_into_flat(grad[s:e].view_as(p)))
-    return FlatGroup(params, offsets, flat, grad, s0, s1, shard)
+    # the shard's averaged gradient gets memory of its own, kept while shard.grad is None
+    return FlatGroup(params, offsets, flat, grad, s0, s1, shard, torch.zeros_like(shard))
 
 
 def _into_flat(view: torch.Tensor) -> Callable[[torch.Tensor], None]:

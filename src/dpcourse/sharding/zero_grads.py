@@ -1,20 +1,31 @@
-"""Which parameters have a gradient, as torch's optimizers see it, under ZeRO (chapter 9).
+"""The gradients as torch's loop expects them under ZeRO: layers for a GradScaler, for parameters
+without a gradient and for clipping (chapter 9).
 
-A torch optimizer skips a parameter whose ``.grad`` is ``None``: its weights and its state stay
-as they are (a frozen branch, an expert of a mixture that got no tokens, a parameter used only in
-some steps). Under DDP with ``find_unused_parameters=True`` a parameter that no rank used keeps
-``.grad is None``; one that some rank used gets the average (the others count as zeros).
+The core, :class:`~dpcourse.sharding.zero.ShardedOptimizerCore`, averages the gradients and steps
+this rank's shard (section 9.4). A torch training loop
+relies on three things more, and each is a layer here, a class that overrides one step of the
+core and calls it (``super()``); :class:`~dpcourse.sharding.zero.ShardedOptimizer` puts them
+together:
 
-:class:`~dpcourse.sharding.zero.ShardedOptimizer` steps a flat shard, where many parameters sit
-side by side, so it keeps that rule by hand: :func:`exchange_used` learns, at the end of each
-reduction, which parameters got a gradient on some rank (one byte per parameter, max-reduced over
-the ring);
-:func:`keep_unused` then makes the step leave the others' elements, weights and optimizer state,
-as they were. Both cost nothing more when every parameter got a gradient on this rank (the
-common case): no copy, and no wait for the device. :func:`global_norm` is the norm that
-``clip_grad_norm_`` clips by, over every rank's shard.
+* :class:`SpreadOverflow`: a ``GradScaler`` skips a step when a gradient overflowed. After the
+  reduce-scatter, a non-finite gradient on one rank reaches only the owner of its element; this
+  layer makes it reach every rank's shard, so that every rank's scaler skips the same step (a rank
+  that skipped alone would hang the others in the next all-gather). Section 9.4.
+* :class:`SkipUnused`: a torch optimizer skips a parameter whose ``.grad`` is ``None``, its
+  weights and its state staying as they are (a frozen branch, an expert of a mixture that got no
+  tokens, a parameter used only in some steps). Under DDP with ``find_unused_parameters=True`` a
+  parameter that no rank used keeps ``.grad is None``; one that some rank used gets the average
+  (the others count as zeros). The core steps a flat shard, where many parameters sit side by
+  side, so this layer keeps that rule by hand: :func:`exchange_used` learns, at the end of each
+  reduction, which parameters got a gradient on some rank (one byte per parameter, max-reduced
+  over the ring); :func:`keep_unused` then makes the step leave the others' elements, weights and
+  optimizer state, as they were. Both cost nothing more when every parameter got a gradient on
+  this rank (the common case): no copy, and no wait for the device. Section 9.5.
+* :class:`ClipByGlobalNorm`: ``clip_grad_norm_`` by the norm of the whole averaged gradient,
+  every rank's shard of it (:func:`global_norm`), so that every rank scales by the same factor.
+  Section 9.5.
 
-Chapter 9: parameters without gradients, and the global norm, under ZeRO.
+Chapter 9: what torch's loop expects of the gradients, as layers on ZeRO's core.
 """
 
 from __future__ import annotations
@@ -27,9 +38,79 @@ import torch
 
 from dpcourse.collectives.ring import ring_all_reduce
 from dpcourse.collectives.tree import tree_all_reduce
-from dpcourse.sharding.flat_shards import FlatGroup
+from dpcourse.sharding.flat_shards import FlatGroup, all_finite
 
-__all__ = ["exchange_used", "unused_ranges", "keep_unused", "global_norm"]
+__all__ = ["SpreadOverflow", "SkipUnused", "ClipByGlobalNorm", "exchange_used", "unused_ranges",
+           "keep_unused", "global_norm"]
+
+
+class SpreadOverflow:
+    """The layer for ``torch.amp.GradScaler`` on the core's step 1: if a gradient on this rank is
+    not finite, every rank's chunk of the flat gradients gets a NaN, so that after the
+    reduce-scatter every rank's shard holds one and every rank's scaler skips the same step.
+    A tensor op, not ``if not finite:``, which would wait for a GPU at every step."""
+
+    def flat_gradients(self) -> list[torch.Tensor]:
+        flat_grads = super().flat_gradients()
+        if self.world_size > 1:
+            finite = torch.ones((), dtype=torch.bool, device=self.device)
+            for flat_grad in flat_grads:
+                finite &= all_finite(flat_grad)
+            for flat_grad in flat_grads:  # the first element of every rank's chunk
+                for chunk in flat_grad.tensor_split(self.world_size):
+                    chunk[:1].masked_fill_(~finite, float("nan"))
+        return flat_grads
+
+
+class SkipUnused:
+    """The layer that leaves a parameter without a gradient as a torch optimizer leaves it: one
+    that got no gradient on any rank since ``zero_grad`` keeps its weights and its optimizer
+    state through the step. Each reduction learns which parameters some rank used
+    (:func:`exchange_used`); the step of the shards keeps the others (:func:`keep_unused`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._has_grad: list[list[bool]] = []  # per group and parameter: would .grad be set?
+        super().__init__(*args, **kwargs)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._has_grad.append([False] * len(self._groups[-1].params))
+
+    def reduce_gradients(self) -> None:
+        local = [p.grad is not None for g in self._groups for p in g.params]  # before they go
+        super().reduce_gradients()
+        used = iter(exchange_used(local, self.device, self.world_size))  # every group's, in turn
+        for has in self._has_grad:
+            has[:] = [h or u for h, u in zip(has, used, strict=False)]
+
+    def step_shards(self, **kwargs: Any) -> None:
+        with keep_unused(self.optimizer, self._groups, self._has_grad):
+            super().step_shards(**kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if set_to_none:  # no gradient until the next backward gives one (zeros are one)
+            for has in self._has_grad:
+                has[:] = [False] * len(has)
+
+
+class ClipByGlobalNorm:
+    """The layer that clips as ``torch.nn.utils.clip_grad_norm_`` clips DDP's full gradients,
+    though each rank holds only its shard of the averaged gradient."""
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the averaged gradients so that their norm over all ranks' shards is at most
+        ``max_norm``, and return that global norm. Call it on every rank after backward (and
+        after ``scaler.unscale_(opt)``), before ``step``."""
+        if not self._reduced:
+            self.reduce_gradients()
+        grads = [g.shard.grad for g in self._groups if g.shard.grad is not None]
+        total = global_norm(grads, float(norm_type), self.device, self.world_size)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
+        for t in grads:
+            t.mul_(coef.to(t.dtype))
+        return total
 
 
 def exchange_used(local: Sequence[bool], device: torch.device, world_size: int) -> list[bool]:
@@ -122,3 +203,4 @@ def global_norm(grads: Sequence[torch.Tensor], norm_type: float, device: torch.d
     if world_size > 1:
         tree_all_reduce(total.reshape(1), "sum")
     return total ** (1.0 / norm_type)
+

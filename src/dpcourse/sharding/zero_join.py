@@ -71,12 +71,31 @@ class ShardedJoinHook(JoinHook):
 
 
 class JoinableOptimizer(Joinable):
-    """What makes :class:`~dpcourse.sharding.zero.ShardedOptimizer` ``Joinable``: its join hook,
-    and the
-    device and process group of ``Join``'s own all-reduces (the rank's device, every rank)."""
+    """The layer that makes :class:`~dpcourse.sharding.zero.ShardedOptimizer` ``Joinable``: each
+    reduction first tells ``Join`` that this rank is still training (:func:`notify`), each step
+    remembers the clipping it did (for a joined rank to replay it), and :meth:`join_hook` gives
+    ``Join`` what a joined rank runs; ``Join``'s own all-reduces run on the rank's device, over
+    every rank."""
 
-    def __init__(self) -> None:  # torch's Joinable.__init__ is abstract: it sets _join_config
-        Joinable.__init__(self)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._in_join_hook = False
+        self._clipped: tuple[float, float] | None = None  # clip_grad_norm_'s arguments, this step
+        self.last_clip: tuple[float, float] | None = None  # ... in the last step (replayed)
+        self._join_config = _JoinConfig.construct_disabled_join_config()  # as Joinable's __init__
+        super(Joinable, self).__init__(*args, **kwargs)  # on to the core (Joinable's takes none)
+
+    def reduce_gradients(self) -> None:
+        notify(self)  # before this iteration's first collective
+        super().reduce_gradients()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self._clipped = (max_norm, norm_type)
+        return super().clip_grad_norm_(max_norm, norm_type)
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().step(*args, **kwargs)
+        self.last_clip, self._clipped = self._clipped, None
+        return result
 
     def join_hook(self, **kwargs: Any) -> ShardedJoinHook:
         return ShardedJoinHook(self)
