@@ -30,23 +30,14 @@ ranks (``group``: the ranks of one node) and replicated across such groups
 (HSDP), whose reduce-scatter inside the node is followed by an all-reduce of this rank's chunk
 across the nodes (:meth:`ShardedLayer.reduce_across_replicas`).
 
-:class:`CommThread` runs the collectives on one thread, in the order they are submitted: the same
-on every rank, as a CUDA stream would run them. The layer's compute goes on meanwhile. On a GPU
-the thread works on the rank's device and queues its work on streams of its own, one for the
-all-gathers and one for the reduce-scatters: a collective waits (on its stream) for the compute
-that made its inputs, and the compute that uses its result waits (on the compute stream) for the
-collective, through CUDA events, so that the GPU runs the two side by side. Its
-:class:`CommWork` is waited on like torch's ``Work``. Memory is freed as FSDP2 frees it, by the
-streams' order and not by ``record_stream``: the buffers a collective fills are made on the
-compute stream and let go only after the compute stream has waited for it.
+The collectives run on FSDP's communication thread (:mod:`dpcourse.sharding.fsdp_comm`):
+:meth:`ShardedLayer.all_gather` and :meth:`ShardedLayer.reduce_scatter` are what it runs.
 
 Chapter 9: fully sharded data parallelism, one layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,15 +46,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dpcourse.collectives.ops import chunk_bounds
-from dpcourse.collectives.p2p import active_counters, counted_like
 from dpcourse.collectives.ring import ring_all_gather_, ring_reduce_scatter_
-from dpcourse.one_device.memory import tensors_in
 from dpcourse.sharding.flat_shards import all_finite
 
-__all__ = ["CommThread", "CommWork", "ShardedLayer", "shard_rows", "gather_chunk_numels",
-           "divide_factors", "STREAMS"]
-
-STREAMS = ("all-gather", "reduce-scatter")  # the communication thread's streams on a GPU
+__all__ = ["ShardedLayer", "shard_rows", "gather_chunk_numels", "divide_factors"]
 
 
 def shard_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
@@ -105,119 +91,6 @@ def divide_factors(ranks: int, reduce_dtype: torch.dtype) -> tuple[int, float]:
     return pre, ranks / pre
 
 
-class CommWork:
-    """A collective submitted to a :class:`CommThread`; like torch.distributed's ``Work``,
-    :meth:`wait` returns once its result may be used by the caller. On a GPU it keeps the
-    tensors the collective reads and writes until then (the caller frees them afterwards)."""
-
-    def __init__(self, future: Future, keep: list[torch.Tensor] | None = None) -> None:
-        self._future = future
-        self._keep = keep
-
-    def done(self) -> bool:
-        """True once the communication thread has run (on a GPU: queued) the collective."""
-        return self._future.done()
-
-    def wait(self) -> Any:
-        """The collective's result. On the CPU it has finished. On a GPU the thread has queued
-        it on its stream, and the caller's current stream now waits for it (an event), as
-        ``work.wait()`` makes it wait for an NCCL collective: work queued after this call on
-        that stream runs once the collective is done, and the host does not block on the GPU.
-        Only then are the collective's tensors let go: their memory, freed, goes back to the
-        caller's stream, which now runs after the collective."""
-        result, done = self._future.result()
-        if done is not None:
-            torch.cuda.current_stream(done.device).wait_event(done.event)
-        self._keep = None
-        return result
-
-    def release(self) -> None:
-        """Let the caller free the collective's tensors as early as it safely can: on a GPU,
-        :meth:`wait` (the host waits only for the thread to have queued it); on the CPU
-        nothing, since the thread lets them go when the collective ends."""
-        if self._keep is not None:
-            self.wait()
-
-
-@dataclass(frozen=True)
-class _Done:
-    event: torch.cuda.Event
-    device: torch.device
-
-
-class CommThread:
-    """One thread that runs the collectives of a rank, one at a time, in the order they were
-    submitted: the FSDP hooks submit the same collectives in the same order on every rank, so
-    the ranks' rings match, while the main thread goes on computing (the overlap that FSDP's
-    prefetch buys). The caller's :func:`~dpcourse.collectives.count_traffic` sees the messages.
-
-    ``device``: where the tensors are. On a GPU (FSDP2's design, in our words):
-
-    * the thread makes ``device`` its current device, which is per thread: left at ``cuda:0``,
-      rank 1's collectives would run on another rank's GPU, and NCCL can hang;
-    * each collective's own work (the ring's copies and adds) runs on one of the thread's
-      streams (:data:`STREAMS`), never on the compute stream, where it would queue behind (and
-      ahead of) the matmuls. Its messages are NCCL's kernels, which ProcessGroupNCCL queues on
-      streams of its own; each waits for the stream that was current when it was issued (this
-      side stream) and ``work.wait()`` makes that stream wait for it, so the side stream
-      decides what NCCL waits for;
-    * before it starts, its stream waits for an event recorded on the caller's stream when it
-      was submitted (its inputs were computed there); :meth:`CommWork.wait` makes the caller's
-      stream wait for an event recorded after it;
-    * memory is freed by the streams' order, not by ``record_stream``: the tensors a collective
-      reads or writes are made on the caller's stream before it is submitted, and its
-      :class:`CommWork` holds them until :meth:`CommWork.wait` has made the caller's stream wait
-      for the collective; freed after that, their memory can only be reused by work that the
-      caller's stream runs after the collective (what torch's ProcessGroupNCCL does with
-      ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``: it keeps a collective's tensors until its
-      ``work.wait()``). What the collective makes on its stream (the shards' gradients) stays
-      there until the next step, and that stream's next collective waits for the caller's
-      stream first. ``record_stream`` frees only once the GPU has caught up with the host, so
-      a host that runs ahead makes the allocator take new memory meanwhile: FSDP1's problem
-      (its ``limit_all_gathers`` stopped the host instead), which FSDP2 avoids so.
-    """
-
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.device = torch.device(device if device is not None else "cpu")
-        self.streams: dict[str, torch.cuda.Stream] = {}
-        if self.device.type == "cuda":
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            self.streams = {kind: torch.cuda.Stream(self.device) for kind in STREAMS}
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpcourse-comm",
-                                        initializer=self._enter)
-
-    def _enter(self) -> None:
-        if self.streams:  # the current device is per thread; the thread starts on cuda:0
-            torch.cuda.set_device(self.device)
-
-    def submit(self, fn: Callable[..., Any], *args: Any, stream: str = "all-gather") -> CommWork:
-        """Run ``fn(*args)`` on the thread (on a GPU, on the stream named ``stream``). Make the
-        tensors ``fn`` writes into on the caller's stream, and pass them in ``args``."""
-        counters = active_counters()
-        if stream not in STREAMS:
-            raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
-        side = self.streams.get(stream)  # None on the CPU
-        ready = None
-        if side is not None:
-            ready = torch.cuda.current_stream(self.device).record_event()  # inputs made
-
-        def run() -> tuple[Any, _Done | None]:
-            with counted_like(counters):
-                if side is None:
-                    return fn(*args), None
-                with torch.cuda.stream(side):
-                    side.wait_event(ready)
-                    result = fn(*args)
-                    return result, _Done(side.record_event(), self.device)
-
-        keep = tensors_in(args) if side is not None else None  # the CPU frees as it goes
-        return CommWork(self._pool.submit(run), keep)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return module.get_submodule(path), attr
@@ -246,7 +119,7 @@ class ShardedLayer:
     shards: list[nn.Parameter] = field(default_factory=list)
     full: list[nn.Parameter] = field(default_factory=list)
     bounds: list[list[tuple[int, int]]] = field(default_factory=list)  # per param, per rank
-    gather: CommWork | None = None  # an all-gather in flight, or arrived and not copied out
+    gather: Any = None  # an all-gather in flight (a CommWork), or arrived and not copied out
     arrived: int = 0  # gradients of trainable parameters arrived in this backward
     reduced: bool = False  # this backward's reduce-scatter was submitted
     # full gradients of earlier micro-batches not yet reduced (per parameter, reduce dtype)
@@ -389,9 +262,10 @@ class ShardedLayer:
         return self.full[i].grad is not None or self.accumulated[i] is not None
 
     def accumulate(self) -> None:
-        """Gradient accumulation without synchronisation: add the full gradients of this
-        backward to those kept from earlier micro-batches, in the reduce dtype, and free them
-        (the full gradients stay on this rank, whole, until a backward that synchronises)."""
+        """Gradient accumulation without synchronisation: add the full
+        gradients of this backward to those kept from earlier micro-batches, in
+        the reduce dtype, and free them (the full gradients stay on this rank,
+        whole, until a backward that synchronises)."""
         for i in self.trainable():
             grad = self.full[i].grad
             if grad is None:
@@ -442,7 +316,7 @@ class ShardedLayer:
         """Give the full parameters' memory back (their tensor objects stay for autograd), and
         an all-gather's buffer once it has arrived. They were made on the compute stream, so
         their memory is reused only by work queued there after what used them: no
-        ``record_stream`` (:class:`CommThread`)."""
+        ``record_stream`` (:mod:`dpcourse.sharding.fsdp_comm`)."""
         if self.gather is not None:  # a prefetch nobody used: its buffer goes once it is in
             self.gather.wait()
             self.gather = None

@@ -59,10 +59,11 @@ def offloads(policy: Any) -> bool:
 
 
 def offload_shards(layers: list, pin_memory: bool = True) -> None:
-    """Move every shard of ``layers`` (FSDP's :class:`~dpcourse.sharding.fsdp_layer.ShardedLayer`
-    list) to host memory, page-locked if ``pin_memory`` and a GPU is there to copy to, and put
-    them back in their modules; shards on ``meta`` (no values yet) stay until materialised.
-    Build the optimizer afterwards: the shards are new tensors."""
+    """Move every shard of ``layers`` (FSDP's
+    :class:`~dpcourse.sharding.fsdp_layer.ShardedLayer` list) to host memory,
+    page-locked if ``pin_memory`` and a GPU is there to copy to, and put them
+    back in their modules; shards on ``meta`` (no values yet) stay until
+    materialised. Build the optimizer afterwards: the shards are new tensors."""
     pin = pin_memory and torch.cuda.is_available()
     for layer in layers:
         for i, shard in enumerate(layer.shards):

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from dpcourse.collectives.ring import ring_all_gather_
+from dpcourse.collectives.ring import ring_all_gather_, ring_all_reduce
 
-__all__ = ["ShardGrad", "mark_shards", "global_norm", "clip_grad_norm_"]
+__all__ = ["ShardGrad", "mark_shards", "global_norm", "clip_grad_norm_", "AgreeOnGradients"]
 
 # What a norm of a gradient shard goes through: torch.nn.utils.clip_grad_norm_ and get_total_norm
 # call the first two; the others are the same mistake written by hand.
@@ -144,3 +144,63 @@ def clip_grad_norm_(sharded: list[torch.Tensor], whole: list[torch.Tensor], max_
     for g in [*sharded, *whole]:
         _plain(g).mul_(coef.to(g.device, g.dtype))
     return total if out is None else out.copy_(total)
+
+
+class AgreeOnGradients:
+    """The layer on :class:`~dpcourse.sharding.fsdp.FSDPCore` that leaves the gradients as
+    torch's optimizers, ``clip_grad_norm_`` and ``GradScaler`` expect them, every rank agreeing,
+    after one small all-reduce per step (a byte for the step and one per parameter):
+
+    * a parameter that no rank used keeps the gradient it had before this backward (``None``
+      after ``zero_grad()``, which the optimizer skips, as with torch's DDP and FSDP; zeros would
+      move it under momentum, Adam or weight decay). If every parameter got a gradient on this
+      rank, nothing is read on the host (torch's DDP reads its map of used parameters only in
+      the other case too);
+    * if any rank's reduced rows were not finite (each layer's reduce-scatter checks the rows it
+      received, after the sum: an fp16 sum can overflow where no rank's gradient did), every
+      rank's gradients get a NaN, so that a ``GradScaler`` skips the step on every rank, as with
+      DDP's all-reduce;
+    * the shards' gradients are marked (:func:`mark_shards`): torch's ``clip_grad_norm_``
+      refuses them, and a ``GradScaler`` reads the flag from them, even on a rank without rows.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # this backward, per trainable shard or replicated parameter: whether it got a gradient
+        # on this rank, and the .grad it had before (kept if no rank used it)
+        self._seen: dict[torch.nn.Parameter, tuple[bool, torch.Tensor | None]] = {}
+
+    def _reduce(self, layer: Any) -> None:
+        for i in layer.trainable():  # before the reduce-scatter adds into the shards' .grad
+            self._seen[layer.shards[i]] = (layer.has_grad(i), layer.shards[i].grad)
+        super()._reduce(layer)
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        self._seen.update((p, (p.grad is not None, p.grad)) for p in self.replicated
+                          if p.requires_grad)
+        super().finish_gradient_synchronization()  # the averages, in every shard's .grad
+        # in one order on every rank: the layers', then the replicated parameters'
+        trainable = ([layer.shards[i] for layer in self.layers for i in layer.trainable()]
+                     + [p for p in self.replicated if p.requires_grad])
+        used = [self._seen[p][0] for p in trainable]
+        # one message: whether this rank's reduced rows overflowed (1: not finite) and, per
+        # parameter, whether it got a gradient here
+        flags = torch.ones(1 + len(used), dtype=torch.uint8, device=self.device)
+        flags[0] = self._nonfinite
+        if not all(used):
+            flags[1:] = torch.tensor(used, dtype=torch.uint8).to(flags.device)  # rare: a copy
+        if self.world_size > 1:
+            self.comm.submit(ring_all_reduce, flags, "max", False, stream="reduce-scatter").wait()
+        self._nonfinite.zero_()
+        if not all(used):
+            for p, anywhere in zip(trainable, flags[1:].tolist(), strict=True):
+                if not anywhere:  # no rank used it: the gradient it had
+                    p.grad = self._seen[p][1]
+        self._seen.clear()
+        overflow = flags[0].bool()
+        for p in self.parameters():  # a tensor op, not `if overflow:`, which waits for the GPU
+            if p.grad is not None and p.grad.numel():  # (offloaded shards': on the host)
+                p.grad.view(-1)[:1].masked_fill_(overflow.to(p.grad.device), float("nan"))
+        mark_shards([shard for layer in self.layers for shard in layer.shards], overflow)
+

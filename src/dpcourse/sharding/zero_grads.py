@@ -77,10 +77,10 @@ class SkipUnused:
         self._has_grad.append([False] * len(self._groups[-1].params))
 
     def reduce_gradients(self) -> None:
-        local = [p.grad is not None for g in self._groups for p in g.params]  # before they go
-        super().reduce_gradients()
-        used = iter(exchange_used(local, self.device, self.world_size))  # every group's, in turn
-        for has in self._has_grad:
+        local = [p.grad is not None for g in self._groups for p in g.params]
+        super().reduce_gradients()  # the core takes the gradients: read them before
+        used = iter(exchange_used(local, self.device, self.world_size))
+        for has in self._has_grad:  # every group's flags, in turn
             has[:] = [h or u for h, u in zip(has, used, strict=False)]
 
     def step_shards(self, **kwargs: Any) -> None:
@@ -99,10 +99,12 @@ class ClipByGlobalNorm:
     though each rank holds only its shard of the averaged gradient."""
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the averaged gradients so that their norm over all ranks' shards is at most
-        ``max_norm``, and return that global norm. Call it on every rank after backward (and
-        after ``scaler.unscale_(opt)``), before ``step``."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0
+                        ) -> torch.Tensor:
+        """Scale the averaged gradients so that their norm over all ranks'
+        shards is at most ``max_norm``, and return that global norm. Call it on
+        every rank after backward (after ``scaler.unscale_(opt)``), before
+        ``step``."""
         if not self._reduced:
             self.reduce_gradients()
         grads = [g.shard.grad for g in self._groups if g.shard.grad is not None]

@@ -2,8 +2,9 @@
 FSDP.
 
 On a GPU, :class:`dpcourse.sharding.fsdp.FSDP`'s communication thread queues the all-gathers and the
-reduce-scatters on CUDA streams of their own (:class:`dpcourse.sharding.fsdp_layer.CommThread`), so
-that the GPU can run them beside the layers' matmuls on the compute stream. Those streams carry the
+reduce-scatters on CUDA streams of their own
+(:class:`dpcourse.sharding.fsdp_comm.StreamedCommThread`), so that the GPU can run them beside
+the layers' matmuls on the compute stream. Those streams carry the
 ring's copies and adds; with NCCL, the messages themselves are NCCL's kernels, which
 ProcessGroupNCCL queues on streams of its own (each waiting for the stream it was issued from):
 the trace names those rows "NCCL". This benchmark profiles one training step of the benchmark's
