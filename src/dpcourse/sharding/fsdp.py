@@ -32,7 +32,7 @@ torch's utilities expect them, every rank agreeing on unused parameters and on a
 clipping by the global norm (:class:`~dpcourse.sharding.shard_grads.AgreeOnGradients`,
 :meth:`FSDP.clip_grad_norm_`, section 9.11); mixed precision, resharding after forward,
 accumulation without synchronising and recomputation under activation checkpointing
-(:mod:`dpcourse.sharding.fsdp_knobs`, sections 11.2-11.5); sharding over a sub-group, replicated
+(:mod:`dpcourse.sharding.fsdp_options`, sections 11.2-11.5); sharding over a sub-group, replicated
 across such groups (``shard_group``, ``replicate_group``: hybrid sharding,
 :mod:`dpcourse.sharding.hsdp`, section 11.7). A model built on the ``meta`` device is sharded
 without memory, and :meth:`FSDP.materialize` then makes each rank's rows only
@@ -58,14 +58,14 @@ from dpcourse.collectives.tree import tree_broadcast
 from dpcourse.one_device.memory import tensors_in
 from dpcourse.sharding import shard_grads
 from dpcourse.sharding.fsdp_comm import CommWork, comm_thread
-from dpcourse.sharding.fsdp_knobs import (
+from dpcourse.sharding.fsdp_layer import ShardedLayer
+from dpcourse.sharding.fsdp_options import (
     Accumulation,
     MixedPrecision,
     Recomputation,
     ReshardAfterForward,
     precision,
 )
-from dpcourse.sharding.fsdp_layer import ShardedLayer
 
 __all__ = ["FSDPCore", "FSDP"]
 
@@ -265,7 +265,7 @@ class FSDP(Accumulation, shard_grads.AgreeOnGradients, Recomputation, ReshardAft
     rank's are (:class:`~dpcourse.sharding.shard_grads.AgreeOnGradients`); clip with
     :meth:`clip_grad_norm_`.
 
-    Chapter 11's knobs (keyword arguments; :mod:`dpcourse.sharding.fsdp_knobs`):
+    Chapter 11's knobs (keyword arguments; :mod:`dpcourse.sharding.fsdp_options`):
 
     * ``mp_policy``: torch's ``MixedPrecisionPolicy`` (or any object with its fields
       ``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``), read as

@@ -1,4 +1,4 @@
-"""``fully_shard``'s knobs as layers on our FSDP's core: mixed precision, resharding after
+"""``fully_shard``'s options as layers on our FSDP's core: mixed precision, resharding after
 forward, accumulation without synchronising, recomputation in backward (chapters 9 and 11).
 
 :class:`~dpcourse.sharding.fsdp.FSDPCore` is chapter 9's four steps: gather, compute, free;
