@@ -131,7 +131,7 @@ class FSDPCore(nn.Module):
     # ----------------------------------------------------------------- the hooks: forward
     def _pre_forward(self, layer: ShardedLayer, args: tuple) -> tuple:
         if not self._recorded:
-            self._order.append(layer)  # the first forward records the layers' order
+            self._order.append(layer)  # the first forward records the order
         self._unshard(layer)
         if self.prefetch and (nxt := self._neighbour(layer, +1)) is not None:
             self._gather(nxt)  # on the wire while this layer computes
@@ -144,20 +144,20 @@ class FSDPCore(nn.Module):
             layer.gather = self.comm.submit(layer.all_gather, layer.gather_buffer())
 
     def _unshard(self, layer: ShardedLayer) -> None:
-        self._gather(layer)  # nothing if it is gathered, or on its way (a prefetch)
+        self._gather(layer)  # nothing if gathered, or on its way (prefetched)
         if layer.gather is not None:
             layer.copy_out(layer.gather.wait())  # here (on a GPU: queued)
-            layer.gather = None  # its buffer goes, once the compute stream waited
+            layer.gather = None  # its buffer goes (the compute stream waited)
 
     def _post_forward(self, layer: ShardedLayer, output: Any) -> None:
         layer.use_full(False)
         self._reshard(layer)
-        for t in tensors_in(output):  # their gradient: backward reaches the layer
+        for t in tensors_in(output):  # their gradient: backward is here
             if t.requires_grad:
                 t.register_hook(lambda grad: self._pre_backward(layer))
 
     def _reshard(self, layer: ShardedLayer) -> None:
-        layer.free()  # the full parameters' memory, until backward gathers them again
+        layer.free()  # the full parameters' memory, until backward gathers
 
     def _neighbour(self, layer: ShardedLayer, step: int) -> ShardedLayer | None:
         if not self._recorded or layer not in self._order:
@@ -176,9 +176,9 @@ class FSDPCore(nn.Module):
 
     def _grad_arrived(self, layer: ShardedLayer) -> None:
         layer.arrived += 1
-        if layer.arrived == len(layer.trainable()):  # the layer's backward is over
+        if layer.arrived == len(layer.trainable()):  # its backward is over
             self._reduce(layer)
-            if len(layer.trainable()) == len(layer.full):  # no frozen weight in use
+            if len(layer.trainable()) == len(layer.full):  # nothing frozen
                 layer.use_full(False)
                 layer.free()
 

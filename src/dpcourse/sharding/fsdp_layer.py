@@ -186,24 +186,29 @@ class ShardedLayer:
 
     # ------------------------------------------------------------ on the communication thread
     def all_gather(self, flat: torch.Tensor) -> torch.Tensor:
-        """Fill ``flat`` (from :meth:`gather_buffer`) with every rank's chunk, this rank's cast
-        to its dtype (so the traffic is in the compute dtype), and return it. Runs on the
-        communication thread; :meth:`copy_out` then makes the full parameters of it."""
+        """Fill ``flat`` (from :meth:`gather_buffer`) with every rank's chunk,
+        this rank's cast to its dtype (so the traffic is in the compute dtype),
+        and return it. Runs on the communication thread; :meth:`copy_out` then
+        makes the full parameters of it."""
         chunks = list(flat.split(self.chunk_numels()))
         mine = [s.detach().reshape(-1) for s in self.shards]
-        chunks[self.rank].copy_(torch.cat(mine))  # the cast to the compute dtype is here
+        chunks[self.rank].copy_(torch.cat(mine))  # cast to the compute dtype
         if self.world_size > 1:
             ring_all_gather_(chunks, self.rank, self.group)
         return flat
 
-    def reduce_scatter(self, flat_grad: torch.Tensor, nonfinite: torch.Tensor) -> None:
-        """Reduce-scatter the layer's gradients (laid out by :meth:`pack_grads`, in the reduce
-        dtype), sum this rank's chunk over the replicas (HSDP), average and add this rank's rows
-        to the shards' ``.grad``, in fp32 (communication thread). The average is divided before
-        and after the sum (:func:`divide_factors`), and ``nonfinite`` (a 0-dim bool tensor) is
-        set if the rows this rank received are not all finite: an fp16 sum can overflow where
-        no rank's gradient did, so the flag is taken after the sum, not before."""
-        pre, post = divide_factors(self.world_size * self.replicas, flat_grad.dtype)
+    def reduce_scatter(self, flat_grad: torch.Tensor,
+                       nonfinite: torch.Tensor) -> None:
+        """Reduce-scatter the layer's gradients (laid out by :meth:`pack_grads`,
+        in the reduce dtype), sum this rank's chunk over the replicas (HSDP),
+        average and add this rank's rows to the shards' ``.grad``, in fp32
+        (communication thread). The average is divided before and after the
+        sum (:func:`divide_factors`), and ``nonfinite`` (a 0-dim bool tensor)
+        is set if the rows this rank received are not all finite: an fp16 sum
+        can overflow where no rank's gradient did, so the flag is taken after
+        the sum, not before."""
+        ranks = self.world_size * self.replicas
+        pre, post = divide_factors(ranks, flat_grad.dtype)
         if pre != 1:
             flat_grad.div_(pre)
         chunks = list(flat_grad.split(self.chunk_numels(trainable_only=True)))
@@ -216,7 +221,7 @@ class ShardedLayer:
         for i in self.trainable():
             shard = self.shards[i]
             piece = mine[offset : offset + shard.numel()].view_as(shard)
-            piece = piece.to(shard.device, shard.dtype)  # offloaded shards: to the host
+            piece = piece.to(shard.device, shard.dtype)  # offloaded: host
             offset += shard.numel()
             if shard.grad is None:
                 shard.grad = piece.clone()
@@ -224,27 +229,30 @@ class ShardedLayer:
                 shard.grad.add_(piece)
 
     def reduce_across_replicas(self, chunk: torch.Tensor) -> torch.Tensor:
-        """HSDP's second step: ``chunk``, this rank's rows summed over its shard group, summed
-        in place over the replicate group too (a ring all-reduce among the ranks that hold
-        the same rows, one per node), so that it is the sum over every rank. Without a
-        replicate group, ``chunk`` as it is."""
+        """HSDP's second step: ``chunk``, this rank's rows summed over its shard
+        group, summed in place over the replicate group too (a ring all-reduce
+        among the ranks that hold the same rows, one per node), so that it is
+        the sum over every rank. Without a replicate group: ``chunk``."""
         if self.replicate_group is None or self.replicas == 1:
             return chunk
         me = dist.get_rank(self.replicate_group)
-        pieces = chunk.tensor_split(self.replicas)  # views: the ring works in place
+        pieces = chunk.tensor_split(self.replicas)  # views: in place
         ring_reduce_scatter_(pieces, "sum", me, self.replicate_group)
         ring_all_gather_(pieces, me, self.replicate_group)
         return chunk
 
     # ----------------------------------------------------------------------- main thread
-    def copy_out(self, flat: torch.Tensor, into: list[torch.Tensor] | None = None) -> None:
-        """Copy the rows of a gathered buffer into the full parameters (given memory again:
-        the same tensors autograd saved), or into the tensors ``into`` (a full state dict
-        gathers the fp32 masters so). On the compute stream, where the layer uses them."""
+    def copy_out(self, flat: torch.Tensor,
+                 into: list[torch.Tensor] | None = None) -> None:
+        """Copy the rows of a gathered buffer into the full parameters (given
+        memory again: the same tensors autograd saved), or into the tensors
+        ``into`` (a full state dict gathers the fp32 masters so). On the compute
+        stream, where the layer uses them."""
         if into is None:
             for full in self.full:
-                if full.untyped_storage().nbytes() == 0:  # freed: memory again, same tensor
-                    full.untyped_storage().resize_(full.numel() * full.element_size())
+                if full.untyped_storage().nbytes() == 0:  # freed: memory again
+                    nbytes = full.numel() * full.element_size()
+                    full.untyped_storage().resize_(nbytes)  # the same tensor
             into = [full.data for full in self.full]
         for k, chunk in enumerate(flat.split(self.chunk_numels())):
             offset = 0

@@ -53,16 +53,17 @@ class MixedPrecision:
     dtype they compute in) and out of the model (``output_dtype``)."""
 
     def __init__(self, module: nn.Module, *,
-                 compute_dtype: torch.dtype | None = None, mp_policy: Any = None,
-                 **options: Any) -> None:
+                 compute_dtype: torch.dtype | None = None,
+                 mp_policy: Any = None, **options: Any) -> None:
         param, reduce, output, cast_inputs = precision(compute_dtype, mp_policy)
-        super().__init__(module, param_dtype=param, reduce_dtype=reduce, **options)
+        super().__init__(module, param_dtype=param, reduce_dtype=reduce,
+                         **options)
         self.compute_dtype = param  # chapter 9's name for it
         self.output_dtype, self.cast_forward_inputs = output, cast_inputs
         if param is None:
             return  # every layer computes in its parameters' dtype
         if cast_inputs:
-            for layer in self.layers:  # after the core's hook: the layer is here
+            for layer in self.layers:  # after the core's hook: it is here
                 layer.module.register_forward_pre_hook(_cast_args(param))
         replicated = {id(p) for p in self.replicated}
         for m in module.modules():  # the replicated parameters': in fp32
@@ -214,7 +215,7 @@ class Recomputation:
 
     def _pre_backward(self, layer: ShardedLayer) -> None:
         super()._pre_backward(layer)
-        if not layer.reduced:  # in the module too: a recomputation inside reads it
+        if not layer.reduced:  # in the module: a recomputation inside reads it
             layer.use_full(True)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -52,13 +52,15 @@ class HSDP(FSDP):
     A step is FSDP's: ``loss.backward(); hsdp.finish_gradient_synchronization(); opt.step()``.
     """
 
-    def __init__(self, module: nn.Module, ranks_per_node: int, *, groups: NodeGroups | None = None,
-                 **fsdp_options: Any) -> None:
-        groups = _checked_groups(ranks_per_node, groups, fsdp_options)  # made if None
-        # shard inside the node, replicate across it: FSDP's groups, the node and its peers
-        super().__init__(module, shard_group=groups.node, replicate_group=groups.peers,
-                         **fsdp_options)
-        self.groups, self.ranks_per_node, self.nodes = groups, ranks_per_node, groups.nodes
+    def __init__(self, module: nn.Module, ranks_per_node: int, *,
+                 groups: NodeGroups | None = None, **fsdp_options: Any) -> None:
+        groups = _checked_groups(ranks_per_node, groups, fsdp_options)
+        # shard inside the node, replicate across it: FSDP's groups, the node
+        # and its peers in the other nodes
+        super().__init__(module, shard_group=groups.node,
+                         replicate_group=groups.peers, **fsdp_options)
+        self.groups, self.ranks_per_node = groups, ranks_per_node
+        self.nodes = groups.nodes
 
 
 def _checked_groups(ranks_per_node: int, groups: NodeGroups | None,

@@ -123,16 +123,16 @@ class ShardedOptimizerCore(torch.optim.Optimizer):
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Steps 1 and 2: average the gradients over the ranks, this rank keeping
-        its shard of the average in ``shard.grad`` (added to what backward left
-        there since ``zero_grad``). Runs by itself at the end of backward."""
+        """Steps 1 and 2: average the gradients over the ranks, this rank
+        keeping its shard of the average in ``shard.grad`` (added to what
+        backward left since ``zero_grad``). Runs at the end of backward."""
         self._queued = False
-        flat_grads = self.flat_gradients()  # 1. each group's gradients, end to end
+        flat_grads = self.flat_gradients()  # 1. each group's, end to end
         for g, flat_grad in zip(self._groups, flat_grads, strict=True):
-            chunks = flat_grad.tensor_split(self.world_size)  # rank r owns chunk r
+            chunks = flat_grad.tensor_split(self.world_size)  # r owns chunk r
             ring_reduce_scatter_(chunks, "sum", self.rank)  # 2. chunk r, summed
             mine = chunks[self.rank].div_(self.world_size)  # ... and averaged
-            if g.shard.grad is None:  # after zero_grad: into the memory kept for it
+            if g.shard.grad is None:  # after zero_grad: into memory kept for it
                 g.shard.grad = g.shard_grad.copy_(mine)
             else:  # a second backward since zero_grad: the gradients add up
                 g.shard.grad.add_(mine)
@@ -147,12 +147,12 @@ class ShardedOptimizerCore(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, **kwargs: Any) -> None:
-        """Steps 3 and 4: step this rank's shard with its averaged gradient, then
-        all-gather the updated shards, so that every rank has every parameter
-        again. ``kwargs`` go to the inner optimizer's ``step``."""
-        if not self._reduced:  # no backward reached a parameter, or only no_sync's
+        """Steps 3 and 4: step this rank's shard with its averaged gradient,
+        then all-gather the updated shards, so that every rank has every
+        parameter again. ``kwargs`` go to the inner optimizer's ``step``."""
+        if not self._reduced:  # no backward reached a parameter, or no_sync's
             self.reduce_gradients()
-        self.step_shards(**kwargs)  # 3. the inner optimizer, on this rank's shards
+        self.step_shards(**kwargs)  # 3. the inner optimizer, this rank's shards
         for g in self._groups:  # 4. every rank's updated shard, to every rank
             ring_all_gather_(g.flat.tensor_split(self.world_size), self.rank)
         self._reduced = False
@@ -269,14 +269,15 @@ class ShardedOptimizer(ShardedStateDict, JoinableOptimizer, ClipByGlobalNorm, Sk
         super().add_param_group(group)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None,
+             **kwargs: Any) -> Any:
         """The core's step, as torch's optimizers take it: ``closure``
         (zero_grad, forward, backward; returns the loss) runs first and its loss
         is returned; ``kwargs`` go to the inner optimizer's step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()  # its backward reduces the gradients at its end
+                loss = closure()  # its backward reduces the gradients
         super().step(**kwargs)
         return loss
 

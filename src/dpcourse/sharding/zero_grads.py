@@ -56,7 +56,7 @@ class SpreadOverflow:
             finite = torch.ones((), dtype=torch.bool, device=self.device)
             for flat_grad in flat_grads:
                 finite &= all_finite(flat_grad)
-            for flat_grad in flat_grads:  # the first element of every rank's chunk
+            for flat_grad in flat_grads:  # the first element of each chunk
                 for chunk in flat_grad.tensor_split(self.world_size):
                     chunk[:1].masked_fill_(~finite, float("nan"))
         return flat_grads
@@ -78,7 +78,7 @@ class SkipUnused:
 
     def reduce_gradients(self) -> None:
         local = [p.grad is not None for g in self._groups for p in g.params]
-        super().reduce_gradients()  # the core takes the gradients: read them before
+        super().reduce_gradients()  # the core takes them: read them first
         used = iter(exchange_used(local, self.device, self.world_size))
         for has in self._has_grad:  # every group's flags, in turn
             has[:] = [h or u for h, u in zip(has, used, strict=False)]
@@ -108,8 +108,9 @@ class ClipByGlobalNorm:
         if not self._reduced:
             self.reduce_gradients()
         grads = [g.shard.grad for g in self._groups if g.shard.grad is not None]
-        total = global_norm(grads, float(norm_type), self.device, self.world_size)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
+        total = global_norm(grads, float(norm_type), self.device,
+                            self.world_size)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's
         for t in grads:
             t.mul_(coef.to(t.dtype))
         return total
