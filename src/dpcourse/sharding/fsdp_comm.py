@@ -115,12 +115,13 @@ class StreamedWork(CommWork):
         self.device = device
 
     def wait(self) -> Any:
-        """The collective's result. The thread has queued it on its stream, and
-        the caller's current stream now waits for it (an event), as ``wait()``
-        makes it wait for an NCCL collective: work queued on that stream after
-        this call runs once the collective is done, and the host does not block
-        on the GPU. Only then are the collective's tensors let go: their memory,
-        freed, goes back to the caller's stream, which now runs after it."""
+        """The collective's result. The thread has queued it on its stream,
+        and the caller's current stream now waits for it (an event), as
+        ``wait()`` makes it wait for an NCCL collective: work queued on that
+        stream after this call runs once the collective is done, and the
+        host does not block on the GPU. Only then are the collective's
+        tensors let go: their memory, freed, goes back to the caller's
+        stream, which now runs after it."""
         result, done = self._future.result()
         torch.cuda.current_stream(self.device).wait_event(done)
         self._keep = None
@@ -149,12 +150,12 @@ class StreamedCommThread(CommThread):
 
     def submit(self, fn: Callable[..., Any], *args: Any,
                stream: str = "all-gather") -> StreamedWork:
-        """Run ``fn(*args)`` on the thread, on the stream named ``stream``, once
-        the caller's stream has made its inputs. Make the tensors ``fn`` writes
-        into on the caller's stream, and pass them in ``args``."""
+        """Run ``fn(*args)`` on the thread, on the stream named ``stream``,
+        once the caller's stream has made its inputs. Make the tensors
+        ``fn`` writes into on the caller's stream; pass them in ``args``."""
         side = self.streams.get(stream)
         caller = torch.cuda.current_stream(self.device)
-        ready = caller.record_event()  # the inputs are made: queued before this
+        ready = caller.record_event()  # the inputs: queued before this
 
         def on_side_stream() -> tuple[Any, torch.cuda.Event]:
             with torch.cuda.stream(side):

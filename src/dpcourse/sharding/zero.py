@@ -272,8 +272,8 @@ class ShardedOptimizer(ShardedStateDict, JoinableOptimizer, ClipByGlobalNorm, Sk
     def step(self, closure: Callable[[], Any] | None = None,
              **kwargs: Any) -> Any:
         """The core's step, as torch's optimizers take it: ``closure``
-        (zero_grad, forward, backward; returns the loss) runs first and its loss
-        is returned; ``kwargs`` go to the inner optimizer's step."""
+        (zero_grad, forward, backward; returns the loss) runs first and
+        its loss is returned; ``kwargs`` go to the inner step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -56,7 +56,7 @@ class ShardedJoinHook(JoinHook):
         opt = self.opt
         opt._in_join_hook = True
         try:
-            opt.zero_grad(set_to_none=True)  # nothing of its own: zeros, unused
+            opt.zero_grad(set_to_none=True)  # nothing of its own
             opt.reduce_gradients()
             if opt.last_clip is not None:
                 opt.clip_grad_norm_(*opt.last_clip)
