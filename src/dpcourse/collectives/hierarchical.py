@@ -113,35 +113,51 @@ def hierarchical_all_reduce(
     groups: NodeGroups | None = None,
     check_shapes: bool = True,
 ) -> torch.Tensor:
-    """All-reduce ``tensor`` in place in two levels (like ``dist.all_reduce``); returns it.
+    """All-reduce ``tensor`` in place in two levels (like
+    ``dist.all_reduce``); returns it.
 
-    The world is ``world_size // ranks_per_node`` nodes of ``ranks_per_node`` ranks, numbered
-    node-major (see the module docstring); ``ranks_per_node`` must divide the world size (a
-    ValueError otherwise). Any shape and length (even shorter than the world), every dtype the
-    backend can send, CPU or CUDA, as :func:`~dpcourse.collectives.ring.ring_all_reduce`.
-    ``op``: "sum", "mean" (floating point only; divided once, by the world size), "max" or
-    "min". ``groups``: from :func:`node_groups`, built once; without them each call builds its
-    own, which is a collective and slow (every rank must then call this at the same point, as
-    it must anyway). ``check_shapes`` first verifies that all ranks passed the same size and
-    dtype (one small uncounted message to the right neighbour; benchmarks turn it off).
-
-    The rings run step by step (as on NCCL), on every backend. Chapter 10.
+    The world is ``world_size // ranks_per_node`` nodes of
+    ``ranks_per_node`` ranks, numbered node-major (see the module
+    docstring); ``ranks_per_node`` must divide the world size (a ValueError
+    otherwise). Any shape and length (even shorter than the world), every
+    dtype the backend can send, CPU or CUDA, as
+    :func:`~dpcourse.collectives.ring.ring_all_reduce`. ``op``: "sum",
+    "mean" (floating point only; divided once, by the world size), "max" or
+    "min". ``groups``: from :func:`node_groups`, built once; without them
+    each call builds its own, which is a collective and slow (every rank
+    must then call this at the same point, as it must anyway).
+    ``check_shapes`` first verifies that all ranks passed the same size and
+    dtype (one small uncounted message to the right neighbour; benchmarks
+    turn it off). The rings run step by step (as on NCCL), on every backend.
+    Chapter 10.
     """
     rank, world = _layout(ranks_per_node)
     check_input(tensor, op, check_shapes)
+    groups = _checked_groups(groups, ranks_per_node, world)
+    local, node = rank % ranks_per_node, rank // ranks_per_node
+    chunks = tensor.view(-1).tensor_split(ranks_per_node)  # views: in place
+    # 1. chunk `local` of the node's sum
+    reduce_scatter_(chunks, op, local, groups.node)
+    # 2. that chunk summed across the nodes, with the ranks of the same
+    #    `local` on the other nodes
+    _all_reduce_across_nodes(chunks[local], op, node, groups, world)
+    # 3. every chunk to every rank of the node
+    all_gather_(chunks, local, groups.node)
+    return tensor
+
+
+def _checked_groups(groups: NodeGroups | None, ranks_per_node: int,
+                    world: int) -> NodeGroups:
+    """``groups``, or the node groups made now; a ValueError when they were
+    made for another layout."""
     if groups is None:
-        groups = node_groups(ranks_per_node)
-    elif groups.ranks_per_node != ranks_per_node or groups.world_size != world:
+        return node_groups(ranks_per_node)
+    if groups.ranks_per_node != ranks_per_node or groups.world_size != world:
         raise ValueError(
             f"groups were made for {groups.nodes} nodes of {groups.ranks_per_node} ranks, not "
             f"{world // ranks_per_node} of {ranks_per_node}: pass node_groups({ranks_per_node})"
         )
-    local = rank % ranks_per_node
-    chunks = tensor.view(-1).tensor_split(ranks_per_node)  # views: all three steps in place
-    reduce_scatter_(chunks, op, local, groups.node)  # 1. chunk `local` of the node's sum
-    _all_reduce_across_nodes(chunks[local], op, rank // ranks_per_node, groups, world)  # 2.
-    all_gather_(chunks, local, groups.node)  # 3. every chunk to every rank of the node
-    return tensor
+    return groups
 
 
 def _all_reduce_across_nodes(

@@ -52,17 +52,17 @@ __all__ = [
 PHASES = ("reduce-scatter", "all-gather")
 
 
-def ring_schedule(phase: str, rank: int, step: int, world: int) -> tuple[int, int]:
-    """(chunk sent to rank+1, chunk received from rank-1) by ``rank`` at ``step`` of a phase.
-
-    ``phase`` is "reduce-scatter" or "all-gather". The ring below and the animation of chapter
-    6 (:mod:`dpcourse.plots.ring`) both follow this schedule.
-    """
+def ring_schedule(phase: str, rank: int, step: int,
+                  world: int) -> tuple[int, int]:
+    """(chunk sent to rank+1, chunk received from rank-1) by ``rank`` at
+    ``step`` of a phase, "reduce-scatter" or "all-gather". The ring below
+    and chapter 6's animation (:mod:`dpcourse.plots.ring`) follow it."""
     if phase == "reduce-scatter":
         return (rank - step - 1) % world, (rank - step - 2) % world
     if phase == "all-gather":
         return (rank - step) % world, (rank - step - 1) % world
-    raise ValueError(f"phase must be 'reduce-scatter' or 'all-gather', got {phase!r}")
+    raise ValueError("phase must be 'reduce-scatter' or 'all-gather', "
+                     f"got {phase!r}")
 
 
 _buffers = threading.local()  # per thread: the simulator's virtual ranks are threads
@@ -95,17 +95,20 @@ def _scratch_like(chunk: torch.Tensor) -> torch.Tensor:
 
 
 class StepByStep:
-    """The core's link: each step posts its receive, sends, and waits for both
-    (:func:`~dpcourse.collectives.p2p.exchange`), the ring as drawn and as NCCL needs it.
-    ``group``: a sub-group of N ranks in which ``rank`` is this rank's (chapter 10)."""
+    """The core's link: each step posts its receive, sends, and waits for
+    both (:func:`~dpcourse.collectives.p2p.exchange`), the ring as drawn and
+    as NCCL needs it. ``group``: a sub-group of N ranks in which ``rank`` is
+    this rank's (chapter 10)."""
 
     def __init__(self, rank: int, world: int, group=None) -> None:
-        self.right, self.left, self.group = (rank + 1) % world, (rank - 1) % world, group
+        self.right, self.left = (rank + 1) % world, (rank - 1) % world
+        self.group = group
 
     def exchange(self, send: torch.Tensor, into: torch.Tensor | None = None,
                  like: torch.Tensor | None = None) -> torch.Tensor:
-        """Send ``send`` right while receiving from the left into ``into``, or into a scratch
-        buffer of ``like``'s size; returns where it landed."""
+        """Send ``send`` right while receiving from the left into ``into``,
+        or into a scratch buffer of ``like``'s size; returns where it
+        landed."""
         receive = into if into is not None else _scratch_like(like)
         exchange(send, self.right, receive, self.left, self.group)
         return receive
@@ -114,27 +117,32 @@ class StepByStep:
         """Nothing left in flight: each step waited for its own send."""
 
 
-def reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int, group=None,
-                    link=None) -> None:
-    """Phase 1 in place on the N chunks of a flat tensor (``flat.tensor_split(N)``): afterwards
-    ``chunks[rank]`` is reduced over all ranks (not yet averaged). ``link``: how the messages
-    travel (:class:`StepByStep` by default; ``group`` is its sub-group)."""
+def reduce_scatter_(chunks: list[torch.Tensor], op: str, rank: int,
+                    group=None, link=None) -> None:
+    """Phase 1 in place on the N chunks of a flat tensor
+    (``flat.tensor_split(N)``): afterwards ``chunks[rank]`` is reduced over
+    all ranks (not yet averaged). ``link``: how the messages travel
+    (:class:`StepByStep` by default; ``group`` is its sub-group)."""
     world = len(chunks)
     link = link or StepByStep(rank, world, group)
     for step in range(world - 1):
         sent, received = ring_schedule("reduce-scatter", rank, step, world)
-        incoming = link.exchange(chunks[sent], like=chunks[received])  # not into the chunk
-        combine_(chunks[received], incoming, op)  # the left neighbour's partial sum, added
+        # the left neighbour's partial sum, received beside the chunk, added
+        incoming = link.exchange(chunks[sent], like=chunks[received])
+        combine_(chunks[received], incoming, op)
 
 
-def all_gather_(chunks: list[torch.Tensor], rank: int, group=None, link=None) -> None:
-    """Phase 2 in place: rank r starts with ``chunks[r]`` complete and ends with all of them.
-    ``group`` and ``link`` as for :func:`reduce_scatter_`."""
+def all_gather_(chunks: list[torch.Tensor], rank: int, group=None,
+                link=None) -> None:
+    """Phase 2 in place: rank r starts with ``chunks[r]`` complete and ends
+    with all of them. ``group`` and ``link`` as for
+    :func:`reduce_scatter_`."""
     world = len(chunks)
     link = link or StepByStep(rank, world, group)
     for step in range(world - 1):
         sent, received = ring_schedule("all-gather", rank, step, world)
-        link.exchange(chunks[sent], into=chunks[received])  # a finished chunk, into place
+        # a finished chunk, straight into place
+        link.exchange(chunks[sent], into=chunks[received])
 
 
 def ring_all_reduce(
@@ -143,18 +151,17 @@ def ring_all_reduce(
     check_shapes: bool = True,
     post_ahead: bool | None = None,
 ) -> torch.Tensor:
-    """All-reduce ``tensor`` in place with a ring (like ``dist.all_reduce``); returns it.
-
-    Any length and world size, every dtype the backend can send, CPU and CUDA. ``check_shapes``
-    first checks that all ranks passed the same size and dtype (one small message; benchmarks
-    turn it off). ``post_ahead``: the link (:func:`ring_link`); by default receives are posted
-    ahead wherever the backend allows it, which is everywhere but NCCL.
-    """
+    """All-reduce ``tensor`` in place with a ring (as ``dist.all_reduce``),
+    returns it. Any length and world size, every dtype the backend can send,
+    CPU and CUDA. ``check_shapes`` first checks that all ranks passed the
+    same size and dtype (one small message; benchmarks turn it off).
+    ``post_ahead``: the link (:func:`ring_link`); by default receives are
+    posted ahead wherever the backend allows it, everywhere but NCCL."""
     rank, world = check_input(tensor, op, check_shapes)
-    chunks = tensor.view(-1).tensor_split(world)  # views: the ring works in place
-    link = ring_link(chunks, rank, post_ahead)  # how the messages travel: see ring_link
+    chunks = tensor.view(-1).tensor_split(world)  # views: in place
+    link = ring_link(chunks, rank, post_ahead)  # how the messages travel
     reduce_scatter_(chunks, op, rank, link=link)
-    finish_(chunks[rank], op, world)  # each rank averages only the chunk it owns
+    finish_(chunks[rank], op, world)  # each rank averages the chunk it owns
     all_gather_(chunks, rank, link=link)
     link.wait_sends()
     return tensor
@@ -172,9 +179,10 @@ def ring_all_reduce(
 
 
 class PostedAhead:
-    """A link whose receives, all of those of ``phases``, are posted before the first send, in
-    the order the left neighbour sends; ``exchange`` posts its send and waits for the next
-    receive. The default on gloo, MPI and the simulator; a ValueError on NCCL."""
+    """A link whose receives, all of those of ``phases``, are posted before
+    the first send, in the order the left neighbour sends; ``exchange``
+    posts its send and waits for the next receive. The default on gloo, MPI
+    and the simulator; a ValueError on NCCL."""
 
     def __init__(self, chunks: list[torch.Tensor], rank: int, group=None,
                  phases: tuple[str, ...] = PHASES) -> None:
@@ -184,16 +192,21 @@ class PostedAhead:
         self.sends: list[Waitable] = []  # waited for in wait_sends()
         into: list[torch.Tensor] = []
         for phase in phases:
-            received = [chunks[ring_schedule(phase, rank, s, world)[1]] for s in range(world - 1)]
-            if phase == "reduce-scatter":  # a slot each: the chunk holds this rank's values
-                sizes = [c.numel() for c in received]
-                received = _reused_buffer(sum(sizes), chunks[0], "posted").split(sizes)
-            into += received  # all-gather: straight into the chunks (safe: see above)
-        self.posted = deque((t, irecv(t, (rank - 1) % world, group)) for t in into)
+            received = [chunks[ring_schedule(phase, rank, s, world)[1]]
+                        for s in range(world - 1)]
+            if phase == "reduce-scatter":  # a slot each: the chunk holds
+                sizes = [c.numel() for c in received]  # this rank's values
+                slots = _reused_buffer(sum(sizes), chunks[0], "posted")
+                received = slots.split(sizes)
+            into += received  # all-gather: the chunks (safe: see above)
+        left = (rank - 1) % world
+        self.posted = deque((t, irecv(t, left, group)) for t in into)
 
-    def exchange(self, send: torch.Tensor, into=None, like=None) -> torch.Tensor:
+    def exchange(self, send: torch.Tensor, into=None,
+                 like=None) -> torch.Tensor:
         self.sends.append(isend(send, self.right, self.group))
-        landed, handle = self.posted.popleft()  # a slot in phase 1, ``into`` in phase 2
+        # a slot in phase 1, ``into`` in phase 2
+        landed, handle = self.posted.popleft()
         handle.wait()
         return landed
 

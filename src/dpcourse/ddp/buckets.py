@@ -37,27 +37,32 @@ __all__ = ["MB", "bucket_assignment", "Bucket", "HookBucket", "BucketManager",
 MB = 2**20  # bucket_cap_mb counts mebibytes, as torch's DDP does
 
 
-def bucket_assignment(param_bytes: Sequence[int], cap_bytes: float) -> list[list[int]]:
-    """Group parameters into buckets: ``param_bytes[i]`` is parameter i's gradient size in
-    bytes, in registration order; returns lists of indices, first bucket first.
+def bucket_assignment(param_bytes: Sequence[int],
+                      cap_bytes: float) -> list[list[int]]:
+    """Group parameters into buckets: ``param_bytes[i]`` is parameter i's
+    gradient size in bytes, in registration order; returns lists of indices,
+    first bucket first.
 
-    Buckets are filled in *reverse* registration order, because backward produces the last
-    layer's gradients first. A bucket takes parameters until its size reaches ``cap_bytes``: the
-    parameter that brings it to the cap or past it is its last. This is torch's rule
-    (``torch.distributed._compute_bucket_assignment_by_size``, which ``tests/test_ddp.py``
-    compares against), so a bucket can exceed the cap by less than its last parameter, and a
-    parameter larger than the cap closes the bucket it joins. ``cap_bytes=0`` gives one bucket
-    per parameter. Chapter 7.
+    Buckets are filled in *reverse* registration order, because backward
+    produces the last layer's gradients first. A bucket takes parameters
+    until its size reaches ``cap_bytes``: the parameter that brings it to
+    the cap or past it is its last. This is torch's rule
+    (``torch.distributed._compute_bucket_assignment_by_size``, which
+    ``tests/test_ddp.py`` compares against), so a bucket can exceed the cap
+    by less than its last parameter, and a parameter larger than the cap
+    closes the bucket it joins. ``cap_bytes=0`` gives one bucket per
+    parameter. Chapter 7.
     """
     if cap_bytes < 0:
-        raise ValueError(f"the bucket cap must be 0 or more bytes, got {cap_bytes}")
+        raise ValueError("the bucket cap must be 0 or more bytes, "
+                         f"got {cap_bytes}")
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     for i in reversed(range(len(param_bytes))):
         current.append(i)
         size += param_bytes[i]
-        if size >= cap_bytes:  # full: the next parameter starts a new bucket
+        if size >= cap_bytes:  # full: the next parameter starts another
             buckets.append(current)
             current, size = [], 0
     if current:
@@ -166,30 +171,32 @@ class BucketManager:
         self.next_to_launch = 0
 
     def mark_ready(self, param: nn.Parameter, launch: bool) -> None:
-        """``param``'s gradient is complete: move it into its bucket, and if ``launch``,
-        start every bucket that is now full and next in line."""
+        """``param``'s gradient is complete: move it into its bucket, and if
+        ``launch``, start every bucket that is now full and next in line."""
         bucket, k = self.where[param]
         bucket.ready[k] = True
         bucket.take_gradient(k)
         bucket.pending -= 1
         while launch and self.next_to_launch < len(self.buckets):
             if self.buckets[self.next_to_launch].pending:
-                return  # the next bucket in line still waits for a gradient
+                return  # the next bucket in line waits for a gradient
             self.launch(self.buckets[self.next_to_launch])
 
     def launch(self, bucket: Bucket) -> None:
-        """Average ``bucket``'s gradients across the ranks: one asynchronous all-reduce."""
+        """Average ``bucket``'s gradients across the ranks: one asynchronous
+        all-reduce."""
         bucket.buffer.div_(self.world_size)  # mean = sum of (gradient / N)
         bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         self.next_to_launch = bucket.index + 1
 
     def finish(self) -> None:
-        """Launch the buckets still waiting (a missing gradient counts as zeros), wait for every
-        all-reduce, and start afresh for the next step."""
+        """Launch the buckets still waiting (a missing gradient counts as
+        zeros), wait for every all-reduce, and start afresh for the next
+        step."""
         for bucket in self.buckets[self.next_to_launch :]:
             for k, ready in enumerate(bucket.ready):
                 if not ready:
-                    bucket.take_gradient(k)  # zeros, or what no_sync() accumulated
+                    bucket.take_gradient(k)  # zeros, or no_sync()'s sum
             self.launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()

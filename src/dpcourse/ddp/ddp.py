@@ -48,11 +48,10 @@ __all__ = ["broadcast_parameters", "broadcast_buffers", "all_reduce_gradients",
 
 # ------------------------------------------------------------------------------- step 1
 def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
-    """Step 1: copy rank ``src``'s parameters and buffers to every rank, in place.
-
-    One broadcast per tensor, in registration order (the same on every rank). Afterwards the
-    ranks hold the same model, however each was initialised. Chapter 7, step 1.
-    """
+    """Step 1: copy rank ``src``'s parameters and buffers to every rank, in
+    place. One broadcast per tensor, in registration order (the same on
+    every rank). Afterwards the ranks hold the same model, however each was
+    initialised. Chapter 7, step 1."""
     check_process_group("broadcast_parameters")
     check_module(module, "broadcast_parameters")
     with torch.no_grad():
@@ -80,12 +79,11 @@ def broadcast_buffers(module: nn.Module, src: int = 0) -> None:
 
 # ------------------------------------------------------------------------------- step 2
 def all_reduce_gradients(module: nn.Module) -> None:
-    """Step 2: after ``backward``, replace every gradient by its mean over the ranks.
-
-    One (blocking) all-reduce per parameter that requires a gradient, in registration order. A
-    parameter that got no gradient on this rank takes part with zeros, so that every rank runs
-    the same all-reduces and none waits forever. Chapter 7, step 2.
-    """
+    """Step 2: after ``backward``, replace every gradient by its mean over
+    the ranks. One (blocking) all-reduce per parameter that requires a
+    gradient, in registration order. A parameter that got no gradient on
+    this rank takes part with zeros, so that every rank runs the same
+    all-reduces and none waits forever. Chapter 7, step 2."""
     check_process_group("all_reduce_gradients")
     world = dist.get_world_size()
     for p in module.parameters():
@@ -93,7 +91,7 @@ def all_reduce_gradients(module: nn.Module) -> None:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        p.grad.div_(world)  # dividing first, as torch's DDP does: the sum is then the mean
+        p.grad.div_(world)  # first, as torch's DDP does: the sum is a mean
         dist.all_reduce(p.grad)
 
 
@@ -130,8 +128,9 @@ class PerParameterDDP(nn.Module):
         self._pending[param] = dist.all_reduce(param.grad, async_op=True)
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait for every launched all-reduce; all-reduce the parameters that got no gradient
-        (with zeros, in registration order, the same on every rank)."""
+        """Wait for every launched all-reduce; all-reduce the parameters that
+        got no gradient (with zeros, in registration order, the same on every
+        rank)."""
         for p in self.module.parameters():
             if p.requires_grad and p not in self._pending:
                 if p.grad is None:
@@ -181,7 +180,7 @@ class BucketedDDP(nn.Module):
         return self.reducer.buckets
 
     def _hook(self, param: nn.Parameter) -> None:
-        if self.require_backward_grad_sync:  # inside no_sync() the gradient stays here
+        if self.require_backward_grad_sync:  # in no_sync() it stays here
             self.reducer.mark_ready(param, launch=self.overlap)
 
     def forward(self, *args, **kwargs):
@@ -260,26 +259,31 @@ class DDP(BucketedDDP):
         bucket_cap_mb = check_bucket_cap(bucket_cap_mb)
         device = check_module(module, "DDP")
         check_process_group("DDP")
-        check_torch_options(device, device_ids, output_device, dim, process_group, unsupported)
+        check_torch_options(device, device_ids, output_device, dim,
+                            process_group, unsupported)
         check_same_model_on_every_rank(module, device)
         super().__init__(
-            module, bucket_cap_mb, overlap=overlap, broadcast_buffers=broadcast_buffers,
+            module, bucket_cap_mb, overlap=overlap,
+            broadcast_buffers=broadcast_buffers,
             start=broadcast_parameters if init_sync else _keep_own_parameters,
             reducer=KeepUnused if find_unused_parameters else BucketManager,
         )
-        self._finish_queued = False  # a callback waits for the end of this backward
-        self._synchronised = False  # the last backward's gradients are averaged already
+        self._finish_queued = False  # a callback waits for backward's end
+        self._synchronised = False  # the last backward's are averaged
 
     def _hook(self, param: nn.Parameter) -> None:
         if self.require_backward_grad_sync and not self._finish_queued:
-            # As torch's DDP does: have the autograd engine finish the synchronisation once
-            # this backward is over, so that `loss.backward(); optimizer.step()` is right.
-            Variable._execution_engine.queue_callback(self.finish_at_end_of_backward)
+            # As torch's DDP does: the autograd engine finishes the
+            # synchronisation once this backward is over, so that
+            # `loss.backward(); optimizer.step()` is right.
+            engine = Variable._execution_engine
+            engine.queue_callback(self.finish_at_end_of_backward)
             self._finish_queued, self._synchronised = True, False
         super()._hook(param)
 
     def finish_at_end_of_backward(self) -> None:
-        """What the autograd engine calls once backward is done: the reducer finishes."""
+        """What the autograd engine calls once backward is done: the reducer
+        finishes."""
         self._finish_queued = False
         self.reducer.finish()
         self._synchronised = True

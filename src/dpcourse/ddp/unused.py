@@ -26,27 +26,32 @@ __all__ = ["KeepUnused", "HookedKeepUnused"]
 
 
 class KeepUnused(BucketManager):
-    """:class:`~dpcourse.ddp.buckets.BucketManager` that, after the all-reduces, gives a parameter
-    no rank used in this step its gradient back as it was. A parameter counts as used on a rank
-    when its gradient hook fired since the last :meth:`finish`, inside ``no_sync()`` or not."""
+    """:class:`~dpcourse.ddp.buckets.BucketManager` that, after the
+    all-reduces, gives a parameter no rank used in this step its gradient
+    back as it was. A parameter counts as used on a rank when its gradient
+    hook fired since the last :meth:`finish`, in ``no_sync()`` or not."""
 
-    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: float, world_size: int) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], cap_bytes: float,
+                 world_size: int) -> None:
         super().__init__(params, cap_bytes, world_size)
         self.used: set[nn.Parameter] = set()
-        self._handles = [p.register_post_accumulate_grad_hook(self.used.add) for p in params]
+        self._handles = [p.register_post_accumulate_grad_hook(self.used.add)
+                         for p in params]
 
     def finish(self) -> None:
-        """The reducer's finish, then: all-reduce which parameters each rank used, and put back
-        the gradients of those that no rank used."""
+        """The reducer's finish, then: all-reduce which parameters each rank
+        used, and put back the gradients of those that no rank used."""
         flags = [p in self.used for p in self.where]
         before = {p: None if p.grad is None else p.grad.clone()
-                  for p, used in zip(self.where, flags, strict=True) if not used}
+                  for p, used in zip(self.where, flags, strict=True)
+                  if not used}
         super().finish()  # zeros stood in for this rank's unused gradients
         self.used.clear()
-        users = torch.tensor(flags, dtype=torch.int32, device=self.buckets[0].buffer.device)
+        device = self.buckets[0].buffer.device
+        users = torch.tensor(flags, dtype=torch.int32, device=device)
         dist.all_reduce(users)
-        if not before:
-            return  # nothing to put back on this rank (and no need to read `users` on the host)
+        if not before:  # nothing to put back on this rank (and no need to
+            return  # read `users` on the host)
         for p, count in zip(self.where, users.tolist(), strict=True):
             if count == 0:  # no rank used it, this one included
                 if before[p] is None:

@@ -324,23 +324,31 @@ class FSDP(Accumulation, shard_grads.AgreeOnGradients, Recomputation, ReshardAft
         super().finish_gradient_synchronization()
         self._needs_sync = False
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the gradients so that the whole model's gradient has a ``norm_type``-norm of
-        at most ``max_norm``, and return that norm (a 0-dim tensor, the same on every rank), as
-        ``torch.nn.utils.clip_grad_norm_`` does on unsharded gradients (on our shards it would
-        take each rank's own part, and refuses: :mod:`dpcourse.sharding.shard_grads`). Call it
-        on every rank, after :meth:`finish_gradient_synchronization` (and after
-        ``scaler.unscale_(optimizer)`` where a GradScaler scales the loss), before the step."""
+    def clip_grad_norm_(self, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that the whole model's gradient has a
+        ``norm_type``-norm of at most ``max_norm``, and return that norm (a
+        0-dim tensor, the same on every rank), as
+        ``torch.nn.utils.clip_grad_norm_`` does on unsharded gradients (on our
+        shards it would take each rank's own part, and refuses:
+        :mod:`dpcourse.sharding.shard_grads`). Call it on every rank, after
+        :meth:`finish_gradient_synchronization` (and after
+        ``scaler.unscale_(optimizer)`` where a GradScaler scales the loss),
+        before the step."""
         if self._needs_sync:
-            raise RuntimeError("clip_grad_norm_ before finish_gradient_synchronization: the "
-                               "gradients are not yet averaged; call "
-                               "fsdp.finish_gradient_synchronization() first")
-        sharded = [s.grad for layer in self.layers for s in layer.shards if s.grad is not None]
+            raise RuntimeError(
+                "clip_grad_norm_ before finish_gradient_synchronization: the "
+                "gradients are not yet averaged; call "
+                "fsdp.finish_gradient_synchronization() first")
+        sharded = [s.grad for layer in self.layers for s in layer.shards
+                   if s.grad is not None]
         whole = [p.grad for p in self.replicated if p.grad is not None]
-        norm = torch.zeros((), device=self.device)  # made here, on the caller's stream
-        work = self.comm.submit(shard_grads.clip_grad_norm_, sharded, whole, max_norm,
-                                float(norm_type), self.shard_rank, self.shard_size,
-                                self.shard_group, norm, stream="reduce-scatter")
+        # the norm's memory made here, on the caller's stream
+        norm = torch.zeros((), device=self.device)
+        work = self.comm.submit(
+            shard_grads.clip_grad_norm_, sharded, whole, max_norm,
+            float(norm_type), self.shard_rank, self.shard_size,
+            self.shard_group, norm, stream="reduce-scatter")
         return work.wait()
 
     def unsharded_grad_bytes(self) -> int:
