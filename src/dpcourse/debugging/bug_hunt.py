@@ -177,8 +177,10 @@ def train_fixed(
         model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     pairs = digit_pairs(samples, seed)
     sampler = DistributedSampler(pairs, world, rank, shuffle=True, seed=seed)
-    loader = DataLoader(pairs, global_batch // world, sampler=sampler, collate_fn=pad_collate)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
+    per_rank = global_batch // world
+    loader = DataLoader(pairs, per_rank, sampler=sampler, collate_fn=pad_collate)
+    params = model.parameters()
+    optimizer = torch.optim.Adam(params, lr=1.0, betas=(0.9, 0.98), eps=1e-9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: noam_lr(s, D_MODEL, WARMUP, lr_factor)
     )
@@ -188,22 +190,23 @@ def train_fixed(
         sampler.set_epoch(epoch)
         for batch in loader:
             batch = [t.to(device) for t in batch]
-            count = torch.tensor(
-                [(batch[2] != PAD).sum().item()], device=device, dtype=torch.float64
-            )
-            if world > 1:
-                dist.all_reduce(count)  # every rank divides by the global number of tokens
+            real = (batch[2] != PAD).sum().item()  # this rank's real tokens
+            count = torch.tensor([real], device=device, dtype=torch.float64)
+            if world > 1:  # every rank divides by the global number of tokens
+                dist.all_reduce(count)
             log["lr"].append(optimizer.param_groups[0]["lr"])
             loss = fixed_step(
-                model, batch, optimizer, scheduler, scaler, 1.0, dtype, tokens=count.item() / world
+                model, batch, optimizer, scheduler, scaler, 1.0, dtype,
+                tokens=count.item() / world,
             )
-            total = torch.tensor([loss / world], device=device, dtype=torch.float64)
-            if world > 1:
-                dist.all_reduce(total)  # the loss of the global batch, not rank 0's part
+            total = count.new_tensor([loss / world])  # float64, on the device
+            if world > 1:  # the loss of the global batch, not rank 0's part
+                dist.all_reduce(total)
             log["loss"].append(total.item())
             if len(log["loss"]) == steps:
                 inner = getattr(model, "module", model)
-                return {**log, "weights": [p.detach().cpu() for p in inner.parameters()]}
+                weights = [p.detach().cpu() for p in inner.parameters()]
+                return {**log, "weights": weights}
     raise ValueError(f"{steps} steps need more than {samples} samples")
 
 
