@@ -26,13 +26,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dpcourse import runtime
 from dpcourse.ddp import ddp
+from dpcourse.ddp.workloads import model_and_batch
 from dpcourse.harness.bench import interleaved_step_times
 from dpcourse.harness.launch import run_ranks
-from dpcourse.one_device import data, models
 
 HELP = "step time of the from-scratch DDP variants as ratios to torch DDP"
 
@@ -52,30 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64, help="samples per rank")
     parser.add_argument("--models", nargs="+", default=["mlp", "transformer"])
-
-
-def make_model_and_batch(name: str, batch: int, rank: int):
-    """``(model, batch, loss_fn)`` on this rank's device; the batch differs between ranks."""
-
-
-    device = runtime.device()
-    g = torch.Generator().manual_seed(rank)
-    if name == "mlp":
-        torch.manual_seed(0)
-        layers = []
-        for _ in range(4):
-            layers += [nn.Linear(1024, 1024), nn.ReLU()]
-        model = nn.Sequential(*layers[:-1])
-        inputs = (torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g))
-        loss_fn = nn.functional.mse_loss
-    elif name == "transformer":
-        torch.manual_seed(0)
-        model = models.TinyTransformer()
-        inputs = data.digits_batch(batch, seed=rank)
-        loss_fn = models.sequence_cross_entropy
-    else:
-        raise ValueError(f"unknown model {name!r}: use 'mlp' or 'transformer'")
-    return model.to(device), tuple(t.to(device) for t in inputs), loss_fn
 
 
 def _variant_options(label: str) -> tuple[str, dict]:
@@ -101,7 +76,7 @@ def time_variants_on_rank(
 
     rank = dist.get_rank()
     device = runtime.device()
-    model, inputs, loss_fn = make_model_and_batch(model_name, batch, rank)
+    model, inputs, loss_fn = model_and_batch(model_name, batch, rank)
     *xs, target = inputs
     runs = []
     for name in variants:

@@ -18,6 +18,7 @@ import time
 
 from dpcourse.collectives import commbench
 from dpcourse.ddp.buckets import bucket_assignment
+from dpcourse.ddp.workloads import model_and_batch
 from dpcourse.debugging.diagnosis import (
     BANDWIDTH_WORLD_SIZE,
     HANG_TIMEOUT_S,
@@ -39,7 +40,7 @@ from dpcourse.debugging.diagnosis_tools import (
     mismatch_on_rank,
     skip_on_rank,
 )
-from dpcourse.harness.bench.ddp import make_model_and_batch, time_variants_on_rank
+from dpcourse.harness.bench.ddp import time_variants_on_rank
 from dpcourse.harness.launch import RankError, RankPool, RankTimeoutError, run_ranks
 
 
@@ -88,7 +89,7 @@ def reproduce_small_buckets(
     and with its default 25 MB cap, on ``world_size`` ranks of ``global_batch / world_size``
     samples, against one process on the whole batch (interleaved repetitions, medians)."""
 
-    net, _, _ = make_model_and_batch(model, 1, 0)
+    net, _, _ = model_and_batch(model, 1, 0)
     sizes = [p.numel() * p.element_size() for p in net.parameters()]
     grad_bytes = sum(sizes)
     variants = ["DDP cap 0", "DDP"]
