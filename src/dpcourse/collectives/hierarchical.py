@@ -38,7 +38,7 @@ from dpcourse.collectives import p2p
 from dpcourse.collectives.ops import check_input, finish_
 from dpcourse.collectives.ring import all_gather_, reduce_scatter_
 
-__all__ = ["NodeGroups", "node_groups", "hierarchical_all_reduce"]
+__all__ = ["NodeGroups", "node_groups", "checked_node_groups", "hierarchical_all_reduce"]
 
 # Why it pays. A flat ring over all N = nodes * k ranks moves S/N bytes per step for 2(N-1)
 # steps, and in every step some rank's hop crosses between nodes: the whole ring goes at the
@@ -133,7 +133,7 @@ def hierarchical_all_reduce(
     """
     rank, world = _layout(ranks_per_node)
     check_input(tensor, op, check_shapes)
-    groups = _checked_groups(groups, ranks_per_node, world)
+    groups = checked_node_groups(ranks_per_node, groups)
     local, node = rank % ranks_per_node, rank // ranks_per_node
     chunks = tensor.view(-1).tensor_split(ranks_per_node)  # views: in place
     # 1. chunk `local` of the node's sum
@@ -146,12 +146,14 @@ def hierarchical_all_reduce(
     return tensor
 
 
-def _checked_groups(groups: NodeGroups | None, ranks_per_node: int,
-                    world: int) -> NodeGroups:
-    """``groups``, or the node groups made now; a ValueError when they were
-    made for another layout."""
+def checked_node_groups(ranks_per_node: int,
+                        groups: NodeGroups | None = None) -> NodeGroups:
+    """``groups``, or :func:`node_groups` made now (a collective, which checks
+    that ``ranks_per_node`` divides the world size); a ValueError when
+    ``groups`` were made for another layout. Chapters 10 and 11 (HSDP)."""
     if groups is None:
         return node_groups(ranks_per_node)
+    world = p2p.rank_and_size()[1]
     if groups.ranks_per_node != ranks_per_node or groups.world_size != world:
         raise ValueError(
             f"groups were made for {groups.nodes} nodes of {groups.ranks_per_node} ranks, not "

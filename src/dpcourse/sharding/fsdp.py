@@ -176,9 +176,10 @@ class FSDPCore(nn.Module):
 
     def _grad_arrived(self, layer: ShardedLayer) -> None:
         layer.arrived += 1
-        if layer.arrived == len(layer.trainable()):  # its backward is over
+        trainable = len(layer.trainable())
+        if layer.arrived == trainable:  # its backward is over
             self._reduce(layer)
-            if len(layer.trainable()) == len(layer.full):  # nothing frozen
+            if trainable == len(layer.full):  # nothing frozen
                 layer.use_full(False)
                 layer.free()
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from dpcourse.collectives.hierarchical import NodeGroups, node_groups
+from dpcourse.collectives.hierarchical import NodeGroups, checked_node_groups
 from dpcourse.cost import costmodel
 from dpcourse.cost.hardware import Link
 from dpcourse.sharding.fsdp import FSDP
@@ -65,17 +65,12 @@ class HSDP(FSDP):
 
 def _checked_groups(ranks_per_node: int, groups: NodeGroups | None,
                     fsdp_options: dict) -> NodeGroups:
-    """HSDP's arguments, checked: the groups of ``ranks_per_node`` (built here where ``groups`` is
-    None, which checks that it divides the world size), and no FSDP group passed by hand."""
+    """HSDP's arguments, checked: no FSDP group passed by hand, and the groups of
+    ``ranks_per_node`` (:func:`~dpcourse.collectives.hierarchical.checked_node_groups`)."""
     for taken in ("shard_group", "replicate_group"):
         if taken in fsdp_options:
             raise TypeError(f"HSDP makes {taken} from ranks_per_node; do not pass it")
-    if groups is None:
-        return node_groups(ranks_per_node)  # checks that ranks_per_node divides the world
-    if groups.ranks_per_node != ranks_per_node:
-        raise ValueError(f"groups were made for {groups.ranks_per_node} ranks per node, not "
-                         f"{ranks_per_node}: pass node_groups({ranks_per_node})")
-    return groups
+    return checked_node_groups(ranks_per_node, groups)
 
 
 # ----------------------------------------------------------------------------- the bytes
